@@ -1,0 +1,7 @@
+"""``python -m elasticd``, the same as the ``elasticd`` console script."""
+
+import sys
+
+from elasticd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,167 @@
+"""``elasticd start``: wires configuration, etcd, the registry, metrics and the agent together, and maps the outcome
+to an exit code (0 finished or drained · 1 gave up · 2 usage error).
+
+Everything started here is stopped here, in reverse order, on every path out (an ``ExitStack``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+
+from elasticd import __version__, envvars
+from elasticd.agent.beats import BeatReceiver
+from elasticd.agent.registry import NodeRegistry, read_nodes
+from elasticd.agent.supervisor import ElasticdAgent
+from elasticd.config import StartConfig
+from elasticd.control import drain_requested
+from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.etcd.server import EmbeddedEtcd
+from elasticd.keys import RunKeys
+from elasticd.logging import configure_logging, get_logger
+from elasticd.metrics import Metrics, MetricsServer
+from elasticd.rendezvous.handler import ElasticdRendezvousHandler, create_handler
+from elasticd.rendezvous.reset import clear_finished_run
+
+
+def run_daemon(cfg: StartConfig) -> int:
+    """Run this node's part of the job until it finishes, drains or gives up; returns the exit code."""
+    configure_logging(cfg.log_format)
+    log = get_logger(run_id=cfg.run_id, node_id=cfg.node_id)
+    with ExitStack() as stack:
+        metrics = Metrics.create(version=__version__, node=cfg.node_id)
+        if cfg.metrics_port:
+            server = MetricsServer(metrics.registry, cfg.metrics_addr, cfg.metrics_port)
+            stack.callback(server.close)
+        endpoints, local_addr = cfg.etcd_text, cfg.local_addr
+        if cfg.embedded_etcd:
+            etcd = stack.enter_context(EmbeddedEtcd())
+            endpoints, local_addr = etcd.endpoint, local_addr or "127.0.0.1"
+            log.info("embedded_etcd_started", endpoint=endpoints, pid=etcd.pid)
+        client = EtcdClient.connect(
+            parse_endpoints(endpoints),
+            connect_timeout_s=cfg.etcd_connect_timeout_s,
+            on_error=lambda _exc: metrics.etcd_errors_total.inc(),
+        )
+        stack.callback(client.close)
+        keys = RunKeys(cfg.run_id)
+
+        registry = NodeRegistry(client, keys, cfg.node_id)
+        registry.claim()
+        stack.callback(registry.release)
+        registry.start_keepalive()
+        if [n for n in read_nodes(client, keys) if n.get("node_id") != cfg.node_id] == []:
+            if removed := clear_finished_run(client, keys):
+                log.info("previous_run_cleared", removed=removed)
+
+        runtime_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
+        stack.callback(shutil.rmtree, runtime_dir, ignore_errors=True)
+        socket_path = str(runtime_dir / "beats.sock")
+        _export_worker_env(cfg, socket_path)
+
+        params = RendezvousParameters(
+            backend="etcd-v3",
+            endpoint=endpoints,
+            run_id=cfg.run_id,
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            local_addr=local_addr,
+            **dict(cfg.rdzv_conf),
+        )
+        handler = create_handler(params)
+        spec = WorkerSpec(
+            role="default",
+            local_world_size=cfg.nproc_per_node,
+            entrypoint=sys.executable,
+            args=("-u", str(cfg.script), *cfg.script_args),
+            rdzv_handler=handler,
+            max_restarts=cfg.max_restarts,
+            monitor_interval=cfg.monitor_interval_s,
+            local_addr=local_addr,
+        )
+        agent = ElasticdAgent(
+            spec=spec,
+            logs_specs=DefaultLogsSpecs(log_dir=str(runtime_dir / "torchelastic"), redirects=Std.NONE),
+            start_method="spawn",
+            run_id=cfg.run_id,
+            node_id=cfg.node_id,
+            metrics=metrics,
+            registry=registry,
+            drain_requested=lambda: drain_requested(client, keys),
+        )
+        stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat).close)
+        log.info(
+            "daemon_started",
+            version=__version__,
+            script=str(cfg.script),
+            min_nodes=cfg.min_nodes,
+            max_nodes=cfg.max_nodes,
+            nproc_per_node=cfg.nproc_per_node,
+            etcd=endpoints,
+            metrics_port=cfg.metrics_port,
+        )
+        return _run_agent(agent, handler)
+    return EXIT_GAVE_UP  # pragma: no cover - the with-block always returns
+
+
+def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
+    logger = agent.log
+    try:
+        result = agent.run()
+    except SignalException as exc:
+        # The agent already stopped the workers. Leave the round without closing it: the others go on.
+        handler.leave()
+        logger.warning("stopped_by_signal", signal=exc.sigval.name)
+        return 128 + int(exc.sigval)
+    except RendezvousClosedError:
+        logger.error("gave_up", message="the rendezvous of this run is closed (finished or stopped); use a new --run-id")
+        return EXIT_GAVE_UP
+    except RendezvousError as exc:
+        handler.leave()
+        logger.error("gave_up", message=f"rendezvous failed: {type(exc).__name__}: {exc}")
+        return EXIT_GAVE_UP
+    if result.is_failed():
+        handler.leave()
+        logger.error("exit", code=EXIT_GAVE_UP, message=agent.stop_message or "workers failed")
+        return EXIT_GAVE_UP
+    # Finished or drained: the run is over for every node, so close the rendezvous.
+    handler.shutdown()
+    logger.info("exit", code=EXIT_OK, drained=agent.drained)
+    return EXIT_OK
+
+
+def _export_worker_env(cfg: StartConfig, socket_path: str) -> None:
+    """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us."""
+    os.environ.update(
+        {
+            envvars.SOCKET: socket_path,
+            envvars.RUN_ID: cfg.run_id,
+            envvars.NODE_ID: cfg.node_id,
+            envvars.CHECKPOINT_DIR: str(cfg.checkpoint_dir.resolve()),
+            envvars.CHECKPOINT_EVERY_STEPS: str(cfg.checkpoint_every_steps),
+            envvars.CHECKPOINT_EVERY_SECONDS: str(cfg.checkpoint_every_seconds),
+            envvars.KEEP_CHECKPOINTS: str(cfg.keep_checkpoints),
+            envvars.ON_NAN: cfg.on_nan,
+        }
+    )
+    if not _has_gpu():
+        # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
+        # worker then trains alone without a word (accelerate's state.py, _prepare_backend).
+        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

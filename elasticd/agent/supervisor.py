@@ -1,0 +1,245 @@
+"""The supervisor: torch's ``LocalElasticAgent`` with our decision loop, events, metrics and registry updates.
+
+torch keeps what it does well: spawning and stopping workers, monitoring exit codes, the rendezvous and the rank
+assignment. We replace only ``_invoke_run``, the loop that decides what happens next, so each decision comes from
+:class:`~elasticd.agent.policy.SupervisorPolicy` and each lifecycle step is one structlog event with run id, node id
+and round. After every rendezvous the agents swap node ids through the round's store, which is how a survivor
+names the node that was lost and how everyone names the node that joined.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from elasticd import envvars
+from elasticd.agent.policy import Action, GroupState, Observation, SupervisorPolicy
+from elasticd.agent.registry import NodeRegistry
+from elasticd.etcd.client import EtcdError
+from elasticd.logging import get_logger
+from elasticd.metrics import Metrics
+
+T = TypeVar("T")
+
+_NODE_KEY = "elasticd/node/"
+# Seconds to wait for every agent of a fresh round to publish its node id; a peer that dies in between makes the
+# round fail anyway, so this only bounds how long we wait to notice.
+_MEMBERSHIP_TIMEOUT_S = 60
+# Seconds between reads of the run's drain request; each read is one etcd get.
+_CONTROL_POLL_S = 1.0
+# Seconds between two etcd_unavailable warnings while etcd stays away.
+_ETCD_WARN_INTERVAL_S = 10.0
+# Seconds between registry writes of the last step: status stays fresh without one etcd put per step.
+_REGISTRY_STEP_INTERVAL_S = 2.0
+
+
+class ElasticdAgent(LocalElasticAgent):
+    """One node's agent. ``drain_requested`` is polled; ``on_round`` lets the daemon see each new round."""
+
+    def __init__(
+        self,
+        *args: Any,
+        run_id: str,
+        node_id: str,
+        metrics: Metrics,
+        registry: NodeRegistry,
+        drain_requested: Callable[[], bool],
+        policy: SupervisorPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._run_id = run_id
+        self._node_id = node_id
+        self._metrics = metrics
+        self._registry = registry
+        self._drain_requested = drain_requested
+        self._policy = policy or SupervisorPolicy()
+        self._clock = clock
+        self._log = get_logger(run_id=run_id, node_id=node_id)
+        self._members: list[str] = []
+        self.round: int | None = None
+        self.drained = False
+        self.stop_message = ""
+        self.fault_at: float | None = None  # monotonic time of the last fault, until the next step is seen
+        self._registry_written = 0.0
+        self._etcd_warned = -_ETCD_WARN_INTERVAL_S
+
+    @property
+    def log(self) -> Any:
+        """The agent's event logger, bound to run id, node id and the current round."""
+        return self._log
+
+    # -- torch hooks ---------------------------------------------------------------------------------------------
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self._registry.update(state="rendezvous")
+        start = self._clock()
+        super()._rendezvous(worker_group)
+        duration_s = self._clock() - start
+        handler = worker_group.spec.rdzv_handler
+        self.round = getattr(handler, "round", None)
+        members = self._exchange_node_ids(worker_group)
+        previous, self._members = self._members, members
+        world_size = worker_group.group_world_size * worker_group.spec.local_world_size
+        self._log = get_logger(run_id=self._run_id, node_id=self._node_id, round=self.round)
+        self._log.info(
+            "rendezvous_done",
+            nodes=len(members),
+            members=members,
+            group_rank=worker_group.group_rank,
+            world_size=world_size,
+            duration_s=round(duration_s, 3),
+        )
+        if previous:
+            for lost in sorted(set(previous) - set(members)):
+                self._log.warning("node_lost", lost_node=lost)
+            for joined in sorted(set(members) - set(previous)):
+                self._log.info("node_joined", joined_node=joined)
+        self._metrics.rendezvous_total.inc()
+        self._metrics.rendezvous_duration_seconds.observe(duration_s)
+        self._metrics.nodes.set(len(members))
+        self._metrics.world_size.set(world_size)
+        self._registry.update(
+            state="starting", round=self.round, nodes=len(members), world_size=world_size,
+            workers=worker_group.spec.local_world_size,
+        )
+
+    def _exchange_node_ids(self, worker_group: WorkerGroup) -> list[str]:
+        store = worker_group.store
+        assert store is not None
+        store.set(f"{_NODE_KEY}{worker_group.group_rank}", self._node_id)
+        keys = [f"{_NODE_KEY}{rank}" for rank in range(worker_group.group_world_size)]
+        old_timeout = store.timeout
+        store.set_timeout(timedelta(seconds=_MEMBERSHIP_TIMEOUT_S))
+        try:
+            return [value.decode() for value in store.multi_get(keys)]
+        finally:
+            store.set_timeout(old_timeout)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        # Workers inherit the daemon's environment; the round fences checkpoint commits from older rounds.
+        os.environ[envvars.ROUND] = str(self.round if self.round is not None else 0)
+        pids = super()._start_workers(worker_group)
+        self._log.info("workers_started", pids=sorted(pids.values()), local_world_size=len(pids))
+        self._registry.update(state="running")
+        return pids
+
+    # -- beats (called on the receiver's thread) ----------------------------------------------------------------
+
+    def on_beat(self, beat: dict[str, Any]) -> None:
+        """Carry a worker's beat into metrics, the registry (throttled) and the recovery measurement."""
+        if beat.get("kind") != "step" or not isinstance(beat.get("step"), int):
+            return
+        m = self._metrics
+        m.training_step.set(beat["step"])
+        m.last_progress_timestamp_seconds.set(float(beat.get("ts", time.time())))
+        if isinstance(beat.get("loss"), int | float):
+            m.training_loss.set(beat["loss"])
+        if isinstance(beat.get("samples"), int) and beat["samples"] > 0:
+            m.training_samples_total.inc(beat["samples"])
+        # Every local rank times the same optimizer step; one sample per node keeps the histogram a node's view.
+        if isinstance(beat.get("step_time_s"), int | float) and beat.get("local_rank", 0) == 0:
+            m.step_duration_seconds.observe(beat["step_time_s"])
+        now = self._clock()
+        if self.fault_at is not None:
+            recovery_s, self.fault_at = now - self.fault_at, None
+            m.recovery_duration_seconds.observe(recovery_s)
+            self._log.info("recovered", step=beat["step"], recovery_s=round(recovery_s, 3))
+        if now - self._registry_written >= _REGISTRY_STEP_INTERVAL_S:
+            self._registry_written = now
+            self._registry.update(last_step=beat["step"])
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        worker_group = self._worker_group
+        spec = worker_group.spec
+        self._initialize_workers(worker_group)
+        next_control_poll = 0.0
+        drain = False
+        while True:
+            time.sleep(spec.monitor_interval)
+            result = self._monitor_workers(worker_group)
+            worker_group.state = result.state
+            now = self._clock()
+            if now >= next_control_poll:
+                drain = drain or self._poll(self._drain_requested, False)
+                next_control_poll = now + _CONTROL_POLL_S
+            state = _group_state(result.state)
+            waiting = self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY else 0
+            decision = self._policy.decide(
+                Observation(state, waiting, drain_requested=drain, restarts_left=self._remaining_restarts)
+            )
+            if decision.action is Action.CONTINUE:
+                continue
+            if state is GroupState.FAILED:
+                self._log_failures(result)
+            if decision.action is Action.RESTART:
+                self.fault_at = self._clock()
+                if decision.counts_as_restart:
+                    self._remaining_restarts -= 1
+                self._metrics.worker_restarts_total.labels(reason=decision.reason).inc()
+                self._log.info(
+                    "restart", reason=decision.reason, restarts_left=self._remaining_restarts, nodes_waiting=waiting
+                )
+                self._registry.update(state="restarting")
+                self._restart_workers(worker_group)
+                continue
+            if decision.action is Action.FINISH:
+                self._log.info("workers_finished")
+                self._registry.update(state="finished")
+                self._exit_barrier()
+                return result
+            if decision.action is Action.DRAIN:
+                self._log.info("draining")
+                self._metrics.worker_restarts_total.labels(reason="drain").inc()
+                self._registry.update(state="draining")
+                self._stop_workers(worker_group)
+                worker_group.state = WorkerState.STOPPED
+                self.drained = True
+                return RunResult(state=WorkerState.SUCCEEDED)
+            self.stop_message = decision.message
+            self._log.error("gave_up", reason=decision.reason, message=decision.message)
+            self._registry.update(state="failed")
+            self._stop_workers(worker_group)
+            worker_group.state = WorkerState.FAILED
+            return result
+
+    def _poll(self, read: Callable[[], T], fallback: T) -> T:
+        """An etcd read of the loop; while etcd is away the workers train on and we look again next time."""
+        try:
+            return read()
+        except (EtcdError, RendezvousConnectionError) as exc:
+            now = self._clock()
+            if now - self._etcd_warned >= _ETCD_WARN_INTERVAL_S:
+                self._etcd_warned = now
+                self._log.warning("etcd_unavailable", error=str(exc) or type(exc).__name__)
+            return fallback
+
+    def _log_failures(self, result: RunResult) -> None:
+        for global_rank, failure in sorted(result.failures.items()):
+            self._log.warning(
+                "worker_failed",
+                rank=global_rank,
+                local_rank=failure.local_rank,
+                pid=failure.pid,
+                exitcode=failure.exitcode,
+                signal=failure.signal_name() if failure.exitcode < 0 else None,
+            )
+
+
+def _group_state(state: WorkerState) -> GroupState:
+    if state is WorkerState.SUCCEEDED:
+        return GroupState.SUCCEEDED
+    if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+        return GroupState.FAILED
+    return GroupState.HEALTHY
+

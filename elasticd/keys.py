@@ -1,0 +1,70 @@
+"""The etcd key layout of a run (DESIGN.md §3), defined in one place.
+
+Every key of a run lives under ``/elasticd/<run-id>/``; run ids are validated by :func:`validate_run_id` so that
+they are safe both as an etcd key segment and as a directory name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+ROOT = "/elasticd"
+
+# Letters, digits, '.', '_' and '-': safe as a path segment and an etcd key segment; no leading dot so a run
+# id can never be "." or "..".
+_RUN_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+_NODE_ID = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,252}$")
+
+
+def validate_run_id(run_id: str) -> str | None:
+    """Return why ``run_id`` is unusable, or None when it is fine."""
+    if _RUN_ID.match(run_id):
+        return None
+    return "use 1-128 letters, digits, '.', '_' or '-' (not starting with '.')"
+
+
+def validate_node_id(node_id: str) -> str | None:
+    """Return why ``node_id`` is unusable, or None when it is fine."""
+    if _NODE_ID.match(node_id):
+        return None
+    return "use 1-253 letters, digits, '.', '_' or '-' (not starting with '.')"
+
+
+@dataclass(frozen=True, slots=True)
+class RunKeys:
+    """The keys of one run."""
+
+    run_id: str
+
+    @property
+    def prefix(self) -> str:
+        return f"{ROOT}/{self.run_id}/"
+
+    @property
+    def rdzv_state(self) -> str:
+        """torch's pickled rendezvous state (written through compare-and-set)."""
+        return f"{self.prefix}rdzv/state"
+
+    @property
+    def store_prefix(self) -> str:
+        """The c10d store of the rendezvous; torch prefixes its own keys with the round below this."""
+        return f"{self.prefix}rdzv/store/"
+
+    @property
+    def nodes_prefix(self) -> str:
+        return f"{self.prefix}nodes/"
+
+    def node(self, node_id: str) -> str:
+        return f"{self.nodes_prefix}{node_id}"
+
+    @property
+    def checkpoint_latest(self) -> str:
+        return f"{self.prefix}checkpoint/latest"
+
+    @property
+    def control_prefix(self) -> str:
+        return f"{self.prefix}control/"
+
+    def control(self, name: str) -> str:
+        return f"{self.control_prefix}{name}"

@@ -1,0 +1,103 @@
+"""``elasticd status``: the run as etcd sees it — nodes, round, world size, step, last checkpoint, health.
+
+Read-only: it lists the node registry and ``checkpoint/latest``. A node whose record was not refreshed for
+:data:`STALE_AFTER_S` is shown as ``stale`` (its lease is about to expire, or its daemon is stuck).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from elasticd.agent.registry import read_nodes
+from elasticd.errors import EXIT_OK, ConfigError
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.keys import RunKeys, validate_run_id
+
+# Seconds without a registry write after which a node is reported stale; the registry rewrites at least every
+# few seconds while a node trains (last step) and its lease expires after 10 s.
+STALE_AFTER_S = 30.0
+
+
+def collect_status(client: EtcdClient, run_id: str, now: float | None = None) -> dict[str, Any]:
+    """The run's status as a JSON-able dict (the ``--json`` output)."""
+    keys = RunKeys(run_id)
+    now = time.time() if now is None else now
+    nodes = read_nodes(client, keys)
+    for node in nodes:
+        age = now - float(node.get("updated_at", now))
+        node["health"] = "stale" if age > STALE_AFTER_S else _health(str(node.get("state")))
+        node["age_s"] = round(age, 1)
+    latest = client.get(keys.checkpoint_latest)
+    checkpoint = json.loads(latest[0]) if latest else None
+    rounds = [n["round"] for n in nodes if isinstance(n.get("round"), int)]
+    steps = [n["last_step"] for n in nodes if isinstance(n.get("last_step"), int)]
+    sizes = [n["world_size"] for n in nodes if isinstance(n.get("world_size"), int)]
+    return {
+        "run_id": run_id,
+        "nodes": nodes,
+        "node_count": len(nodes),
+        "round": max(rounds) if rounds else None,
+        "world_size": max(sizes) if sizes else None,
+        "step": max(steps) if steps else None,
+        "checkpoint": checkpoint,
+        "health": _run_health(nodes),
+    }
+
+
+def _health(state: str) -> str:
+    return {"running": "ok", "finished": "done", "failed": "failed"}.get(state, state)
+
+
+def _run_health(nodes: list[dict[str, Any]]) -> str:
+    if not nodes:
+        return "no nodes"
+    if any(n["health"] in {"stale", "failed"} for n in nodes):
+        return "degraded"
+    if all(n["health"] == "ok" for n in nodes):
+        return "ok"
+    return "changing"
+
+
+def show_status(etcd: str, run_id: str, connect_timeout_s: float, *, as_json: bool) -> int:
+    if (why := validate_run_id(run_id)) is not None:
+        raise ConfigError("--run-id", f"{run_id!r}: {why}")
+    client = EtcdClient.connect(parse_endpoints(etcd), connect_timeout_s=connect_timeout_s)
+    try:
+        status = collect_status(client, run_id)
+    finally:
+        client.close()
+    if as_json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        _render(status)
+    return EXIT_OK
+
+
+def _render(status: dict[str, Any]) -> None:
+    console = Console()
+    ckpt = status["checkpoint"]
+    console.print(
+        f"run [bold]{status['run_id']}[/]  health [bold]{status['health']}[/]  nodes {status['node_count']}  "
+        f"round {_dash(status['round'])}  world size {_dash(status['world_size'])}  step {_dash(status['step'])}  "
+        f"last checkpoint {_dash(ckpt.get('step') if ckpt else None)}"
+    )
+    if not status["nodes"]:
+        return
+    table = Table("node", "host", "pid", "state", "round", "workers", "last step", "updated", "health")
+    for n in status["nodes"]:
+        table.add_row(
+            str(n.get("node_id")), str(n.get("host")), str(n.get("pid")), str(n.get("state")),
+            _dash(n.get("round")), _dash(n.get("workers")), _dash(n.get("last_step")),
+            f"{n['age_s']}s ago", n["health"],
+        )
+    console.print(table)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,199 @@
+"""Real elasticd nodes as real processes on 127.0.0.1, for integration tests.
+
+A :class:`Cluster` starts ``elasticd start`` processes against one etcd, each with its own stdout (the workers'
+JSON step lines) and stderr (the daemon's JSON events) files, and kills every process tree it started when closed.
+``Node.kill()`` is a node dying: SIGKILL to the daemon and to its workers at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train.py"
+
+
+def read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    if not path.exists():
+        return
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@dataclass
+class Node:
+    name: str
+    proc: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+    started_at: float = field(default_factory=time.time)
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        return [e for e in read_json_lines(self.err) if "event" in e and (name is None or e["event"] == name)]
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [e for e in read_json_lines(self.out) if e.get("event") == "step"]
+
+    def wait_event(
+        self, name: str, timeout_s: float = 60, where: Callable[[dict[str, Any]], bool] = lambda e: True
+    ) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            matches = [e for e in self.events(name) if where(e)]
+            if not matches and self.proc.poll() is not None:
+                raise AssertionError(f"{self.name} exited {self.proc.returncode} before {name}:\n{self.tail()}")
+            return matches[-1] if matches else None
+
+        return wait_until(found, timeout_s, f"{self.name}: event {name}")  # type: ignore[no-any-return]
+
+    def worker_pids(self) -> list[int]:
+        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+
+    def kill(self) -> None:
+        """The node dies: SIGKILL to the daemon and every process below it, at the same moment."""
+        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        self.proc.wait(timeout=10)
+
+    def wait(self, timeout_s: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout_s}s:\n{self.tail()}") from None
+
+    def tail(self, lines: int = 40) -> str:
+        text = []
+        for path in (self.err, self.out):
+            if path.exists():
+                text.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+        return "\n".join(text)
+
+
+class Cluster:
+    """Nodes of one run; ``close()`` (or the context manager) kills whatever is still running."""
+
+    def __init__(
+        self,
+        etcd: str,
+        workdir: Path,
+        *,
+        run_id: str = "test",
+        min_nodes: int = 1,
+        max_nodes: int = 1,
+        nproc_per_node: int = 1,
+        script: Path = EXAMPLE,
+        script_args: tuple[str, ...] = ("--steps", "60", "--sleep", "0.05", "--checkpoint-every", "10"),
+        extra: tuple[str, ...] = (),
+    ) -> None:
+        self.etcd = etcd
+        self.workdir = workdir
+        self.run_id = run_id
+        self.checkpoint_dir = workdir / "checkpoints"
+        self.base_args = [
+            "--etcd", etcd, "--run-id", run_id, "--min-nodes", str(min_nodes), "--max-nodes", str(max_nodes),
+            "--nproc-per-node", str(nproc_per_node), "--local-addr", "127.0.0.1",
+            "--checkpoint-dir", str(self.checkpoint_dir), "--metrics-port", "0", "--log-format", "json", *extra,
+        ]
+        self.script = [str(script), *script_args]
+        self.nodes: dict[str, Node] = {}
+
+    def start(self, name: str, *extra: str) -> Node:
+        out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        cmd = [sys.executable, "-m", "elasticd", "start", *self.base_args, "--node-id", name, *extra, *self.script]
+        with out.open("ab") as fo, err.open("ab") as fe:
+            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=self.workdir, env=env, start_new_session=True)
+        node = Node(name, proc, out, err)
+        self.nodes[name] = node
+        return node
+
+    def all_steps(self) -> list[dict[str, Any]]:
+        return sorted((s for n in self.nodes.values() for s in n.steps()), key=lambda s: s["t"])
+
+    def last_step(self) -> dict[str, Any] | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def wait_step(self, where: Callable[[dict[str, Any]], bool], timeout_s: float = 90, what: str = "") -> dict:  # type: ignore[type-arg]
+        def found() -> dict[str, Any] | None:
+            return next((s for s in self.all_steps() if where(s)), None)
+
+        return wait_until(found, timeout_s, what or "a matching step", poll_s=0.05)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                try:
+                    node.kill()
+                except (psutil.NoSuchProcess, subprocess.TimeoutExpired):
+                    pass
+            else:
+                # The daemon is gone; make sure nothing it started outlives the test.
+                for p in _orphans_of(node):
+                    p.kill()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def diagnostics(self) -> str:
+        return "\n".join(f"===== {name}\n{node.tail()}" for name, node in self.nodes.items())
+
+
+def _orphans_of(node: Node) -> list[psutil.Process]:
+    """Processes still running whose command line names this node (workers re-parented to init)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "environ"]):
+        try:
+            env = p.info.get("environ") or {}
+            if env.get("ELASTICD_NODE_ID") == node.name and p.pid != os.getpid():
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def leftover_processes(names: list[str]) -> list[psutil.Process]:
+    """Live processes started for any of ``names`` (workers carry ELASTICD_NODE_ID)."""
+    left = []
+    for p in psutil.process_iter(["environ"]):
+        try:
+            env = p.info.get("environ") or {}
+            if env.get("ELASTICD_NODE_ID") in names and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return left

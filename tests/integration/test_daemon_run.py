@@ -1,0 +1,115 @@
+"""``elasticd start`` end to end: embedded etcd, status, drain, an unreachable etcd, an etcd restart mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cluster import EXAMPLE, Cluster, leftover_processes, read_json_lines, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def elasticd(*args: str, cwd: Path, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def test_single_node_run_on_embedded_etcd_finishes_and_commits_checkpoints(tmp_path: Path) -> None:
+    result = elasticd(
+        "start", "--nproc-per-node", "2", "--metrics-port", "0", "--log-format", "json", "--run-id", "solo",
+        str(EXAMPLE), "--steps", "25", "--checkpoint-every", "10",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event": "step"')]
+    assert steps[-1]["step"] == 25 and steps[-1]["world_size"] == 2
+    events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
+    assert {"embedded_etcd_started", "daemon_started", "rendezvous_done", "workers_started", "exit"} <= set(events)
+    committed = sorted(p.name for p in (tmp_path / "checkpoints" / "solo").iterdir())
+    assert committed == ["step-000000000010", "step-000000000020"]
+
+
+def test_same_run_id_can_run_again_after_it_finished(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    for attempt in range(2):
+        with Cluster(etcd.endpoint, tmp_path, run_id="again", script_args=("--steps", "5")) as c:
+            node = c.start(f"again-{attempt}")
+            assert node.wait(90) == 0, node.tail()
+
+
+def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        started = time.monotonic()
+        result = elasticd(
+            "start", "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "2", "--metrics-port", "0",
+            str(EXAMPLE), cwd=tmp_path,
+        )
+    assert result.returncode == 2
+    assert time.monotonic() - started < 20
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint, tmp_path, run_id="stat", min_nodes=2, max_nodes=2,
+        script_args=("--steps", "1000", "--sleep", "0.05", "--checkpoint-every", "10"),
+    ) as c:
+        c.start("st-a"), c.start("st-b")
+        c.wait_step(lambda s: s["step"] >= 10, what="step 10")
+
+        def running() -> dict | None:  # type: ignore[type-arg]
+            out = elasticd("status", "--etcd", etcd.endpoint, "--run-id", "stat", "--json", cwd=tmp_path)
+            assert out.returncode == 0, out.stderr
+            status = json.loads(out.stdout)
+            ok = status["node_count"] == 2 and status["health"] == "ok" and (status["step"] or 0) > 0
+            return status if ok else None
+
+        status = wait_until(running, 30, "status to show 2 healthy nodes with a step", poll_s=0.5)
+        assert status["world_size"] == 2 and isinstance(status["round"], int)
+        assert {n["node_id"] for n in status["nodes"]} == {"st-a", "st-b"}
+        assert all(n["pid"] == c.nodes[n["node_id"]].proc.pid for n in status["nodes"])
+        table = elasticd("status", "--etcd", etcd.endpoint, "--run-id", "stat", cwd=tmp_path)
+        assert table.returncode == 0 and "st-a" in table.stdout and "health ok" in table.stdout
+
+        stop = elasticd("stop", "--etcd", etcd.endpoint, "--run-id", "stat", cwd=tmp_path)
+        assert stop.returncode == 0, stop.stderr
+        for name in ("st-a", "st-b"):
+            assert c.nodes[name].wait(60) == 0, c.diagnostics()
+            assert c.nodes[name].events("draining")
+        wait_until(lambda: not leftover_processes(["st-a", "st-b"]), 15, "workers to exit")
+        after = elasticd("status", "--etcd", etcd.endpoint, "--run-id", "stat", "--json", cwd=tmp_path)
+        assert json.loads(after.stdout)["node_count"] == 0  # the records went with the daemons' leases
+
+
+def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint, tmp_path, run_id="etcdrestart", min_nodes=2, max_nodes=2,
+        script_args=("--steps", "120", "--sleep", "0.05", "--checkpoint-every", "10"),
+    ) as c:
+        c.start("er-a"), c.start("er-b")
+        c.wait_step(lambda s: s["step"] >= 10, what="step 10")
+        etcd.restart()
+        mark = c.last_step()["step"]  # type: ignore[index]
+        c.wait_step(lambda s: s["step"] >= mark + 20, what="20 more steps after the restart")
+
+        def registry_back() -> bool:
+            out = elasticd("status", "--etcd", etcd.endpoint, "--run-id", "etcdrestart", "--json", cwd=tmp_path)
+            return out.returncode == 0 and json.loads(out.stdout)["node_count"] == 2
+
+        wait_until(registry_back, 30, "both node records after the etcd restart", poll_s=0.5)
+        for name in ("er-a", "er-b"):
+            assert c.nodes[name].wait(120) == 0, c.diagnostics()
+        assert c.last_step()["step"] == 120  # type: ignore[index]
+        assert not [e for n in c.nodes.values() for e in n.events("restart")]

@@ -1,0 +1,166 @@
+"""Bad input to ``elasticd start`` ends in one clear line on stderr and exit code 2, never a traceback."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from elasticd.cli import main
+from elasticd.config import StartConfig
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "train.py"
+    path.write_text("print('hi')\n")
+    return path
+
+
+@pytest.fixture
+def captured_config(monkeypatch: pytest.MonkeyPatch) -> list[StartConfig]:
+    """Replace the daemon with a recorder, so parsing is tested without starting anything."""
+    seen: list[StartConfig] = []
+
+    def fake_run(cfg: StartConfig) -> int:
+        seen.append(cfg)
+        return 0
+
+    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", fake_run)
+    return seen
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = main(args)
+    err = capsys.readouterr().err
+    return code, err
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("elasticd: error: ")
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--min-nodes", "3", "--max-nodes", "2"], ["--min-nodes", "3", "--max-nodes 2"]),
+        (["--min-nodes", "0"], ["--min-nodes", ">= 1"]),
+        (["--max-nodes", "-1"], ["--max-nodes"]),
+        (["--nproc-per-node", "0"], ["--nproc-per-node"]),
+        (["--nproc-per-node", "many"], ["--nproc-per-node", "many"]),
+        (["--etcd", "localhost:notaport"], ["--etcd", "notaport"]),
+        (["--run-id", "a/b"], ["--run-id", "a/b"]),
+        (["--run-id", ".."], ["--run-id"]),
+        (["--hang-timeout", "-3"], ["--hang-timeout"]),
+        (["--on-nan", "explode"], ["--on-nan", "explode"]),
+        (["--metrics-port", "70000"], ["--metrics-port"]),
+        (["--keep-checkpoints", "0"], ["--keep-checkpoints"]),
+        (["--rdzv-conf", "bogus=1"], ["--rdzv-conf", "bogus"]),
+    ],
+)
+def test_bad_flag_is_one_line_and_exit_2(
+    args: list[str], needles: list[str], script: Path, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run_cli(["start", *args, str(script)], capsys)
+    assert_one_line_error(code, err, *needles)
+    assert captured_config == []
+
+
+def test_missing_script_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_cli(["start", str(tmp_path / "nope.py")], capsys)
+    assert_one_line_error(code, err, "nope.py", "does not exist")
+
+
+def test_unreadable_script_is_named(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    if os.geteuid() == 0:
+        # root reads any file; a directory stands in for "not a readable file"
+        code, err = run_cli(["start", str(script.parent)], capsys)
+    else:
+        script.chmod(0)
+        code, err = run_cli(["start", str(script)], capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bad_env_value_names_the_variable(
+    script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("ELASTICD_MIN_NODES", "two")
+    code, err = run_cli(["start", str(script)], capsys)
+    assert_one_line_error(code, err, "ELASTICD_MIN_NODES", "two")
+
+
+def test_unknown_yaml_key_is_named_with_a_suggestion(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text("min-nodes: 1\nmax_node: 4\n")
+    code, err = run_cli(["start", "--config", str(cfg), str(script)], capsys)
+    assert_one_line_error(code, err, "max_node", "unknown key", "max-nodes")
+
+
+def test_bad_yaml_value_names_file_and_key(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text("max-nodes: lots\n")
+    code, err = run_cli(["start", "--config", str(cfg), str(script)], capsys)
+    assert_one_line_error(code, err, str(cfg), "max-nodes", "lots")
+
+
+def test_malformed_yaml_is_reported(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text("min-nodes: [1,\n")
+    code, err = run_cli(["start", "--config", str(cfg), str(script)], capsys)
+    assert_one_line_error(code, err, "not valid YAML")
+
+
+def test_precedence_cli_over_env_over_file_over_default(
+    script: Path, monkeypatch: pytest.MonkeyPatch, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text("min_nodes: 2\nmax-nodes: 5\nrun-id: from-file\nkeep-checkpoints: 7\n")
+    monkeypatch.setenv("ELASTICD_MAX_NODES", "6")
+    monkeypatch.setenv("ELASTICD_RUN_ID", "from-env")
+    code, err = run_cli(["start", "--config", str(cfg), "--run-id", "from-cli", str(script), "--lr", "3"], capsys)
+    assert code == 0, err
+    (c,) = captured_config
+    assert (c.min_nodes, c.max_nodes, c.run_id, c.keep_checkpoints) == (2, 6, "from-cli", 7)
+    assert c.metrics_port == 9400  # default
+    assert c.script_args == ("--lr", "3")  # everything after SCRIPT belongs to the script
+
+
+def test_config_file_from_env(
+    script: Path, monkeypatch: pytest.MonkeyPatch, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text("max-nodes: 3\n")
+    monkeypatch.setenv("ELASTICD_CONFIG", str(cfg))
+    code, err = run_cli(["start", str(script)], capsys)
+    assert code == 0, err
+    assert captured_config[0].max_nodes == 3
+
+
+def test_defaults_work_without_any_flag(
+    script: Path, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _ = run_cli(["start", str(script)], capsys)
+    assert code == 0
+    (c,) = captured_config
+    assert c.embedded_etcd and c.min_nodes == c.max_nodes == 1 and c.run_id == "default"
+    assert c.node_id == socket.gethostname() and c.hang_timeout_s is None and c.on_nan == "rollback"
+
+
+def test_metrics_port_in_use_is_a_usage_error(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, err = run_cli(
+            ["start", "--metrics-port", str(port), "--etcd", "127.0.0.1:1", str(script)], capsys
+        )
+    assert_one_line_error(code, err, "--metrics-port", str(port), "in use")
