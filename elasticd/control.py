@@ -7,11 +7,10 @@ import os
 import socket
 import time
 
-from elasticd.errors import EXIT_OK
+from elasticd.errors import EXIT_OK, ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys, validate_run_id
-from elasticd.errors import ConfigError
 
 DRAIN = "drain"
 

@@ -40,4 +40,4 @@ def configure_logging(fmt: Literal["json", "console"] | None = None, level: int 
 
 
 def get_logger(**bound: object) -> structlog.typing.FilteringBoundLogger:
-    return structlog.get_logger("elasticd").bind(**bound)  # type: ignore[no-any-return]
+    return structlog.get_logger("elasticd").bind(**bound)

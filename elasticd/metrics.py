@@ -84,11 +84,17 @@ class Metrics:
                 "elasticd_nonfinite_steps", "Non-finite loss or gradient events by action.", ["action"], **kw
             ),
             checkpoint_duration_seconds=Histogram(
-                "elasticd_checkpoint_duration_seconds", "Checkpoint save time.", ["phase"], buckets=_CKPT_BUCKETS, **kw
+                "elasticd_checkpoint_duration_seconds",
+                "Checkpoint save time.",
+                ["phase"],
+                buckets=_CKPT_BUCKETS,
+                **kw,
             ),
             checkpoint_last_step=Gauge("elasticd_checkpoint_last_step", "Step of the last committed checkpoint.", **kw),
             checkpoint_last_success_timestamp_seconds=Gauge(
-                "elasticd_checkpoint_last_success_timestamp_seconds", "Commit time of the last checkpoint.", **kw
+                "elasticd_checkpoint_last_success_timestamp_seconds",
+                "Commit time of the last checkpoint.",
+                **kw,
             ),
             checkpoint_failures_total=Counter("elasticd_checkpoint_failures", "Failed checkpoint saves.", **kw),
             recovery_duration_seconds=Histogram(

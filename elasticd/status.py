@@ -92,9 +92,15 @@ def _render(status: dict[str, Any]) -> None:
     table = Table("node", "host", "pid", "state", "round", "workers", "last step", "updated", "health")
     for n in status["nodes"]:
         table.add_row(
-            str(n.get("node_id")), str(n.get("host")), str(n.get("pid")), str(n.get("state")),
-            _dash(n.get("round")), _dash(n.get("workers")), _dash(n.get("last_step")),
-            f"{n['age_s']}s ago", n["health"],
+            str(n.get("node_id")),
+            str(n.get("host")),
+            str(n.get("pid")),
+            str(n.get("state")),
+            _dash(n.get("round")),
+            _dash(n.get("workers")),
+            _dash(n.get("last_step")),
+            f"{n['age_s']}s ago",
+            n["health"],
         )
     console.print(table)
 

@@ -78,7 +78,7 @@ def main() -> None:
     beats = BeatClient.from_env()
     world, rank = accelerator.num_processes, accelerator.process_index
     if args.global_batch % (world * args.grad_accum):
-        raise SystemExit(f"--global-batch {args.global_batch} must divide by world size × grad accum")
+        raise SystemExit(f"--global-batch {args.global_batch} must divide by world size x grad accum")
     micro = args.global_batch // (world * args.grad_accum)
     if accelerator.is_main_process:
         print(json.dumps({"event": "start", "step": step, "world_size": world, "t": time.time()}), flush=True)
@@ -101,7 +101,13 @@ def main() -> None:
         step_time = time.perf_counter() - started
         beats.send(step=step, loss=loss_value, samples=micro * args.grad_accum, step_time_s=step_time)
         if accelerator.is_main_process:
-            line = {"event": "step", "step": step, "loss": round(loss_value, 6), "world_size": world, "t": time.time()}
+            line = {
+                "event": "step",
+                "step": step,
+                "loss": round(loss_value, 6),
+                "world_size": world,
+                "t": time.time(),
+            }
             print(json.dumps(line), flush=True)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             if accelerator.is_main_process:

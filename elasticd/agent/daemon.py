@@ -61,9 +61,9 @@ def run_daemon(cfg: StartConfig) -> int:
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
-        if [n for n in read_nodes(client, keys) if n.get("node_id") != cfg.node_id] == []:
-            if removed := clear_finished_run(client, keys):
-                log.info("previous_run_cleared", removed=removed)
+        alone = not [n for n in read_nodes(client, keys) if n.get("node_id") != cfg.node_id]
+        if alone and (removed := clear_finished_run(client, keys)):
+            log.info("previous_run_cleared", removed=removed)
 
         runtime_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
         stack.callback(shutil.rmtree, runtime_dir, ignore_errors=True)
@@ -125,7 +125,10 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
         logger.warning("stopped_by_signal", signal=exc.sigval.name)
         return 128 + int(exc.sigval)
     except RendezvousClosedError:
-        logger.error("gave_up", message="the rendezvous of this run is closed (finished or stopped); use a new --run-id")
+        logger.error(
+            "gave_up",
+            message="the rendezvous of this run is closed (finished or stopped); use a new --run-id",
+        )
         return EXIT_GAVE_UP
     except RendezvousError as exc:
         handler.leave()

@@ -8,10 +8,10 @@ lets unit tests walk every branch (after Ray Train v2's ``FailurePolicy.make_dec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class GroupState(str, Enum):
+class GroupState(StrEnum):
     """The local worker group as the monitor saw it (torch's ``WorkerState``, reduced)."""
 
     HEALTHY = "healthy"
@@ -19,7 +19,7 @@ class GroupState(str, Enum):
     SUCCEEDED = "succeeded"  # every local worker exited 0
 
 
-class Action(str, Enum):
+class Action(StrEnum):
     CONTINUE = "continue"
     RESTART = "restart"  # stop the group, re-rendezvous, start again
     FINISH = "finish"  # training done: wait for the other nodes, exit 0

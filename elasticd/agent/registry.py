@@ -7,6 +7,7 @@ was lost (etcd restarted, a long partition), grants a new one and writes the rec
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -129,10 +130,8 @@ class NodeRegistry:
         with self._lock:
             lease, self._lease = self._lease, None
         if lease is not None:
-            try:
+            with contextlib.suppress(EtcdError):  # the lease expires on its own within the TTL
                 self._client.revoke_lease(lease)
-            except EtcdError:
-                pass  # the lease expires on its own within the TTL
 
     def _encode(self) -> bytes:
         with self._lock:

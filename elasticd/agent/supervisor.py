@@ -88,7 +88,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.round = getattr(handler, "round", None)
         members = self._exchange_node_ids(worker_group)
         previous, self._members = self._members, members
-        world_size = worker_group.group_world_size * worker_group.spec.local_world_size
+        world_size = (worker_group.group_world_size or 0) * worker_group.spec.local_world_size
         self._log = get_logger(run_id=self._run_id, node_id=self._node_id, round=self.round)
         self._log.info(
             "rendezvous_done",
@@ -108,7 +108,10 @@ class ElasticdAgent(LocalElasticAgent):
         self._metrics.nodes.set(len(members))
         self._metrics.world_size.set(world_size)
         self._registry.update(
-            state="starting", round=self.round, nodes=len(members), world_size=world_size,
+            state="starting",
+            round=self.round,
+            nodes=len(members),
+            world_size=world_size,
             workers=worker_group.spec.local_world_size,
         )
 
@@ -188,7 +191,10 @@ class ElasticdAgent(LocalElasticAgent):
                     self._remaining_restarts -= 1
                 self._metrics.worker_restarts_total.labels(reason=decision.reason).inc()
                 self._log.info(
-                    "restart", reason=decision.reason, restarts_left=self._remaining_restarts, nodes_waiting=waiting
+                    "restart",
+                    reason=decision.reason,
+                    restarts_left=self._remaining_restarts,
+                    nodes_waiting=waiting,
                 )
                 self._registry.update(state="restarting")
                 self._restart_workers(worker_group)
@@ -205,7 +211,9 @@ class ElasticdAgent(LocalElasticAgent):
                 self._stop_workers(worker_group)
                 worker_group.state = WorkerState.STOPPED
                 self.drained = True
-                return RunResult(state=WorkerState.SUCCEEDED)
+                # torch's run() records an event per worker and expects each in the result.
+                stopped = {w.global_rank: None for w in worker_group.workers}
+                return RunResult(state=WorkerState.SUCCEEDED, return_values=stopped)
             self.stop_message = decision.message
             self._log.error("gave_up", reason=decision.reason, message=decision.message)
             self._registry.update(state="failed")
@@ -242,4 +250,3 @@ def _group_state(state: WorkerState) -> GroupState:
     if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
         return GroupState.FAILED
     return GroupState.HEALTHY
-

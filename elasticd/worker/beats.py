@@ -45,7 +45,13 @@ class BeatClient:
         """Send one beat; returns whether it left the process (False is normal without a daemon)."""
         if self._sock is None or self.path is None:
             return False
-        message = {"kind": kind, "rank": self.rank, "local_rank": self.local_rank, "ts": time.time(), **fields}
+        message = {
+            "kind": kind,
+            "rank": self.rank,
+            "local_rank": self.local_rank,
+            "ts": time.time(),
+            **fields,
+        }
         try:
             self._sock.sendto(json.dumps(message, separators=(",", ":")).encode(), self.path)
         except OSError:  # daemon gone, buffer full, socket removed: never stall training on telemetry

@@ -38,7 +38,7 @@ class Checkpoint:
     path: Path
 
     def manifest(self) -> dict[str, Any]:
-        return json.loads((self.path / MANIFEST).read_text())  # type: ignore[no-any-return]
+        return json.loads((self.path / MANIFEST).read_text())
 
 
 def build_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ JSON step lines) and stderr (the daemon's JSON events) files, and kills every pr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -80,10 +81,8 @@ class Node:
         """The node dies: SIGKILL to the daemon and every process below it, at the same moment."""
         procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
         for p in procs:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.send_signal(signal.SIGKILL)
-            except psutil.NoSuchProcess:
-                pass
         self.proc.wait(timeout=10)
 
     def wait(self, timeout_s: float = 120) -> int:
@@ -121,9 +120,25 @@ class Cluster:
         self.run_id = run_id
         self.checkpoint_dir = workdir / "checkpoints"
         self.base_args = [
-            "--etcd", etcd, "--run-id", run_id, "--min-nodes", str(min_nodes), "--max-nodes", str(max_nodes),
-            "--nproc-per-node", str(nproc_per_node), "--local-addr", "127.0.0.1",
-            "--checkpoint-dir", str(self.checkpoint_dir), "--metrics-port", "0", "--log-format", "json", *extra,
+            "--etcd",
+            etcd,
+            "--run-id",
+            run_id,
+            "--min-nodes",
+            str(min_nodes),
+            "--max-nodes",
+            str(max_nodes),
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--local-addr",
+            "127.0.0.1",
+            "--checkpoint-dir",
+            str(self.checkpoint_dir),
+            "--metrics-port",
+            "0",
+            "--log-format",
+            "json",
+            *extra,
         ]
         self.script = [str(script), *script_args]
         self.nodes: dict[str, Node] = {}
@@ -131,7 +146,17 @@ class Cluster:
     def start(self, name: str, *extra: str) -> Node:
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        cmd = [sys.executable, "-m", "elasticd", "start", *self.base_args, "--node-id", name, *extra, *self.script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "elasticd",
+            "start",
+            *self.base_args,
+            "--node-id",
+            name,
+            *extra,
+            *self.script,
+        ]
         with out.open("ab") as fo, err.open("ab") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=self.workdir, env=env, start_new_session=True)
         node = Node(name, proc, out, err)
@@ -154,10 +179,8 @@ class Cluster:
     def close(self) -> None:
         for node in self.nodes.values():
             if node.proc.poll() is None:
-                try:
+                with contextlib.suppress(psutil.NoSuchProcess, subprocess.TimeoutExpired):
                     node.kill()
-                except (psutil.NoSuchProcess, subprocess.TimeoutExpired):
-                    pass
             else:
                 # The daemon is gone; make sure nothing it started outlives the test.
                 for p in _orphans_of(node):

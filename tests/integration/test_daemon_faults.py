@@ -64,7 +64,11 @@ def _start_lines(cluster: Cluster) -> list[dict]:  # type: ignore[type-arg]
 def test_node_killed_survivors_reform_at_smaller_size_and_continue(etcd, tmp_path: Path, victim_rank: int) -> None:  # type: ignore[no-untyped-def]
     names = [f"nk{victim_rank}-{i}" for i in range(3)]
     with Cluster(
-        etcd.endpoint, tmp_path, run_id=f"nodekill{victim_rank}", min_nodes=2, max_nodes=3,
+        etcd.endpoint,
+        tmp_path,
+        run_id=f"nodekill{victim_rank}",
+        min_nodes=2,
+        max_nodes=3,
         script_args=("--steps", "80", "--sleep", "0.05", "--checkpoint-every", "10"),
     ) as c:
         for name in names:
@@ -84,7 +88,11 @@ def test_node_killed_survivors_reform_at_smaller_size_and_continue(etcd, tmp_pat
 
 def test_node_joining_while_training_grows_the_group(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
-        etcd.endpoint, tmp_path, run_id="join", min_nodes=2, max_nodes=3,
+        etcd.endpoint,
+        tmp_path,
+        run_id="join",
+        min_nodes=2,
+        max_nodes=3,
         script_args=("--steps", "80", "--sleep", "0.05", "--checkpoint-every", "10"),
     ) as c:
         c.start("j-a"), c.start("j-b")
@@ -101,7 +109,11 @@ def test_node_joining_while_training_grows_the_group(etcd, tmp_path: Path) -> No
 
 def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
-        etcd.endpoint, tmp_path, run_id="churn", min_nodes=2, max_nodes=3,
+        etcd.endpoint,
+        tmp_path,
+        run_id="churn",
+        min_nodes=2,
+        max_nodes=3,
         script_args=("--steps", "400", "--sleep", "0.05", "--checkpoint-every", "10"),
     ) as c:
         c.start("ch-0"), c.start("ch-1"), c.start("ch-2")

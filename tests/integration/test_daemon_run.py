@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster import EXAMPLE, Cluster, leftover_processes, read_json_lines, wait_until
+from tests.integration.cluster import EXAMPLE, Cluster, leftover_processes, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -20,14 +20,31 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 def elasticd(*args: str, cwd: Path, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.run(
-        [sys.executable, "-m", "elasticd", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", "elasticd", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
 
 
 def test_single_node_run_on_embedded_etcd_finishes_and_commits_checkpoints(tmp_path: Path) -> None:
     result = elasticd(
-        "start", "--nproc-per-node", "2", "--metrics-port", "0", "--log-format", "json", "--run-id", "solo",
-        str(EXAMPLE), "--steps", "25", "--checkpoint-every", "10",
+        "start",
+        "--nproc-per-node",
+        "2",
+        "--metrics-port",
+        "0",
+        "--log-format",
+        "json",
+        "--run-id",
+        "solo",
+        str(EXAMPLE),
+        "--steps",
+        "25",
+        "--checkpoint-every",
+        "10",
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -52,8 +69,15 @@ def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path) -> None
         port = s.getsockname()[1]  # bound, never listening: connections are refused
         started = time.monotonic()
         result = elasticd(
-            "start", "--etcd", f"127.0.0.1:{port}", "--etcd-connect-timeout", "2", "--metrics-port", "0",
-            str(EXAMPLE), cwd=tmp_path,
+            "start",
+            "--etcd",
+            f"127.0.0.1:{port}",
+            "--etcd-connect-timeout",
+            "2",
+            "--metrics-port",
+            "0",
+            str(EXAMPLE),
+            cwd=tmp_path,
         )
     assert result.returncode == 2
     assert time.monotonic() - started < 20
@@ -63,7 +87,11 @@ def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path) -> None
 
 def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
-        etcd.endpoint, tmp_path, run_id="stat", min_nodes=2, max_nodes=2,
+        etcd.endpoint,
+        tmp_path,
+        run_id="stat",
+        min_nodes=2,
+        max_nodes=2,
         script_args=("--steps", "1000", "--sleep", "0.05", "--checkpoint-every", "10"),
     ) as c:
         c.start("st-a"), c.start("st-b")
@@ -95,7 +123,11 @@ def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp
 
 def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
-        etcd.endpoint, tmp_path, run_id="etcdrestart", min_nodes=2, max_nodes=2,
+        etcd.endpoint,
+        tmp_path,
+        run_id="etcdrestart",
+        min_nodes=2,
+        max_nodes=2,
         script_args=("--steps", "120", "--sleep", "0.05", "--checkpoint-every", "10"),
     ) as c:
         c.start("er-a"), c.start("er-b")

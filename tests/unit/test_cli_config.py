@@ -66,7 +66,11 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
     ],
 )
 def test_bad_flag_is_one_line_and_exit_2(
-    args: list[str], needles: list[str], script: Path, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+    args: list[str],
+    needles: list[str],
+    script: Path,
+    captured_config: list[StartConfig],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     code, err = run_cli(["start", *args, str(script)], capsys)
     assert_one_line_error(code, err, *needles)
@@ -120,7 +124,10 @@ def test_malformed_yaml_is_reported(script: Path, capsys: pytest.CaptureFixture[
 
 
 def test_precedence_cli_over_env_over_file_over_default(
-    script: Path, monkeypatch: pytest.MonkeyPatch, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+    script: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    captured_config: list[StartConfig],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cfg = script.parent / "elasticd.yaml"
     cfg.write_text("min_nodes: 2\nmax-nodes: 5\nrun-id: from-file\nkeep-checkpoints: 7\n")
@@ -135,7 +142,10 @@ def test_precedence_cli_over_env_over_file_over_default(
 
 
 def test_config_file_from_env(
-    script: Path, monkeypatch: pytest.MonkeyPatch, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+    script: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    captured_config: list[StartConfig],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     cfg = script.parent / "elasticd.yaml"
     cfg.write_text("max-nodes: 3\n")
@@ -160,7 +170,5 @@ def test_metrics_port_in_use_is_a_usage_error(script: Path, capsys: pytest.Captu
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        code, err = run_cli(
-            ["start", "--metrics-port", str(port), "--etcd", "127.0.0.1:1", str(script)], capsys
-        )
+        code, err = run_cli(["start", "--metrics-port", str(port), "--etcd", "127.0.0.1:1", str(script)], capsys)
     assert_one_line_error(code, err, "--metrics-port", str(port), "in use")

@@ -1,0 +1,379 @@
+"""A small typed etcd v3 client over pyetcd, safe to share between threads.
+
+This module owns how elasticd talks to etcd: connecting (with TLS/auth, a bounded retry until the cluster
+answers), the handful of key/lease/watch operations the daemon needs, and error translation. Every failed call
+is reported to ``on_error`` (the daemon counts them) and raised as :class:`EtcdError` naming the endpoint and
+the gRPC status; no raw gRPC exception escapes. Keys are ``str`` (UTF-8 in etcd), values ``bytes`` (etcd v3
+stores binary as is).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import pyetcd
+import pyetcd.exceptions
+import pyetcd.utils
+import tenacity
+
+from elasticd.errors import ConfigError, ElasticdError, EtcdUnavailableError
+from elasticd.etcd.endpoints import Endpoint, format_endpoints
+
+T = TypeVar("T")
+ErrorHook = Callable[[Exception], None]
+
+# etcd rejects a transaction with more operations than --max-txn-ops (default 128); bigger batches are split.
+MAX_TXN_OPS = 128
+# After a failure pyetcd skips an endpoint for this long and fails over to another one (seconds). It must
+# exceed the usual gap between calls (keep-alives every ~1 s), or pyetcd would retry the dead endpoint
+# forever.
+_FAILOVER_BACKOFF_S = 10.0
+# Connect retries back off from 0.1 s to 1 s: quick while etcd starts, gentle on a dead address.
+_CONNECT_WAIT = tenacity.wait_exponential(multiplier=0.1, min=0.1, max=1.0)
+# gRPC channel options. A call made while etcd is briefly away (restart, leader change) waits for the
+# connection within its own deadline instead of failing at once, and reconnect attempts back off from 0.1 s to
+# at most 1 s (gRPC's default grows to 120 s, which would keep a restarted etcd unreachable for minutes).
+_CHANNEL_OPTIONS = [
+    ("grpc.service_config", json.dumps({"methodConfig": [{"name": [{}], "waitForReady": True}]})),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_RPC_ERRORS = (pyetcd.exceptions.Etcd3Exception, grpc.RpcError)
+
+
+class EtcdError(ElasticdError):
+    """An etcd call failed; ``operation``, ``endpoint`` and the gRPC ``code`` name say where and why."""
+
+    def __init__(self, operation: str, endpoint: str, code: str, detail: str) -> None:
+        super().__init__(f"etcd {operation} at {endpoint} failed: {code or 'error'}: {detail}")
+        self.operation = operation
+        self.endpoint = endpoint
+        self.code = code
+
+
+class EtcdLeaseNotFoundError(EtcdError):
+    """A write named a lease that etcd no longer knows (expired, revoked, or etcd lost its data)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutIfResult:
+    """Outcome of :meth:`EtcdClient.put_if`: whether it wrote, and the key's (value, mod_revision) after."""
+
+    succeeded: bool
+    current: tuple[bytes, int] | None
+
+
+class EtcdClient:
+    """Typed etcd operations; all calls are serialised through one lock (pyetcd's failover state is not
+    thread-safe), and each is bounded by the request timeout."""
+
+    def __init__(
+        self,
+        raw: pyetcd.MultiEndpointEtcd3Client,
+        endpoints: Sequence[Endpoint],
+        on_error: ErrorHook | None = None,
+    ) -> None:
+        self._raw = raw
+        self._endpoints = tuple(endpoints)
+        self._on_error = on_error
+        self._lock = threading.RLock()
+
+    @classmethod
+    def connect(
+        cls,
+        endpoints: Sequence[Endpoint],
+        *,
+        connect_timeout_s: float = 10.0,
+        request_timeout_s: float = 5.0,
+        ca_cert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        on_error: ErrorHook | None = None,
+    ) -> EtcdClient:
+        """Connect and check that the cluster answers, retrying until ``connect_timeout_s``.
+
+        Raises ConfigError for inconsistent TLS/auth options and EtcdUnavailableError when nobody answered.
+        """
+        if not endpoints:
+            raise ConfigError("--etcd", "no etcd endpoint given")
+        if (user is None) != (password is None):
+            raise ConfigError("etcd user/password", "give both the user and the password, or neither")
+        creds = _tls_credentials(ca_cert, cert, key)
+        text = format_endpoints(list(endpoints))
+        # Calls wait for a connection until their deadline, so a dead endpoint costs a whole attempt before
+        # pyetcd fails over: leave time in the connect budget to try each endpoint.
+        attempt_timeout_s = min(request_timeout_s, connect_timeout_s / len(endpoints))
+
+        clients: list[EtcdClient] = []  # one pyetcd client across attempts: it remembers failed endpoints
+
+        def attempt() -> EtcdClient:
+            if not clients:
+                try:
+                    raw = pyetcd.MultiEndpointEtcd3Client(
+                        endpoints=[_pyetcd_endpoint(e, creds, len(endpoints)) for e in endpoints],
+                        timeout=attempt_timeout_s,
+                        user=user,
+                        password=password,
+                        failover=True,
+                    )
+                except _RPC_ERRORS as exc:  # authentication happens in the constructor
+                    error = _translate("authenticate", text, exc)
+                    if on_error is not None:
+                        on_error(error)
+                    raise error from None
+                clients.append(cls(raw, endpoints, on_error))
+            client = clients[0]
+            client._call("status", client._raw.status)
+            client._raw.timeout = request_timeout_s
+            return client
+
+        try:
+            return tenacity.Retrying(
+                stop=tenacity.stop_after_delay(connect_timeout_s),
+                wait=_CONNECT_WAIT,
+                retry=tenacity.retry_if_exception_type(EtcdError),
+            )(attempt)
+        except tenacity.RetryError as exc:
+            for client in clients:
+                client.close()
+            last = exc.last_attempt.exception()
+            raise EtcdUnavailableError(text, connect_timeout_s, str(last) if last else "") from None
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        return self._endpoints
+
+    # -- keys ----------------------------------------------------------------------------------------------
+
+    def get(self, key: str) -> tuple[bytes, int] | None:
+        """The value and mod_revision of ``key``, or None when absent."""
+        value, meta = self._call("get", lambda: self._raw.get(key))
+        return None if meta is None else (bytes(value), int(meta.mod_revision))
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The values of those ``keys`` that exist (one atomic read per 128 keys)."""
+        found: dict[str, bytes] = {}
+        for start in range(0, len(keys), MAX_TXN_OPS):
+            chunk = list(keys[start : start + MAX_TXN_OPS])
+            ops = [self._raw.transactions.get(k) for k in chunk]
+            read = functools.partial(self._raw.transaction, compare=[], success=ops, failure=[])
+            _, responses = self._call("get", read)
+            for k, kvs in zip(chunk, responses, strict=True):
+                if kvs:
+                    found[k] = bytes(kvs[0][0])
+        return found
+
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
+        """(key, value, mod_revision) of every key under ``prefix``, in key order."""
+        _check_prefix(prefix)
+        pairs = self._call("get_prefix", lambda: list(self._raw.get_prefix(prefix)))
+        return [
+            (bytes(meta.key).decode("utf-8", "surrogateescape"), bytes(v), int(meta.mod_revision)) for v, meta in pairs
+        ]
+
+    def count_prefix(self, prefix: str) -> int:
+        _check_prefix(prefix)
+        response = self._call("count", lambda: self._raw.get_prefix_response(prefix, count_only=True))
+        return int(response.count)
+
+    def put(self, key: str, value: bytes | str, lease_id: int | None = None) -> None:
+        self._call("put", lambda: self._raw.put(key, value, lease=lease_id))
+
+    def put_if(self, key: str, value: bytes | str, mod_revision: int, lease_id: int | None = None) -> PutIfResult:
+        """Write only if the key's mod_revision equals ``mod_revision`` (0: only if absent), in one
+        transaction that also returns the key's value and mod_revision afterwards, whether it wrote or not."""
+        tx = self._raw.transactions
+        succeeded, responses = self._call(
+            "compare-and-swap",
+            lambda: self._raw.transaction(
+                compare=[tx.mod(key) == mod_revision],
+                success=[tx.put(key, value, lease=lease_id), tx.get(key)],
+                failure=[tx.get(key)],
+            ),
+        )
+        kvs = responses[-1]
+        current = (bytes(kvs[0][0]), int(kvs[0][1].mod_revision)) if kvs else None
+        return PutIfResult(bool(succeeded), current)
+
+    def create(self, key: str, value: bytes | str, lease_id: int | None = None) -> bool:
+        """Write only if ``key`` is absent; True when written."""
+        return self.put_if(key, value, 0, lease_id).succeeded
+
+    def compare_and_swap(self, key: str, value: bytes | str, mod_revision: int, lease_id: int | None = None) -> bool:
+        """Write only if the key's mod_revision is ``mod_revision``; True when written."""
+        return self.put_if(key, value, mod_revision, lease_id).succeeded
+
+    def delete(self, key: str) -> bool:
+        """True when the key existed."""
+        return bool(self._call("delete", lambda: self._raw.delete(key)))
+
+    def delete_if_revision(self, key: str, mod_revision: int) -> bool:
+        """Delete ``key`` only if its mod_revision is still ``mod_revision``; True when deleted."""
+        tx = self._raw.transactions
+        succeeded, _ = self._call(
+            "delete",
+            lambda: self._raw.transaction(compare=[tx.mod(key) == mod_revision], success=[tx.delete(key)], failure=[]),
+        )
+        return bool(succeeded)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under ``prefix``; returns how many there were."""
+        _check_prefix(prefix)
+        return int(self._call("delete_prefix", lambda: self._raw.delete_prefix(prefix)).deleted)
+
+    def revision(self) -> int:
+        """The store's current revision (from a response header)."""
+        return int(self._call("revision", lambda: self._raw.get_response("\0", count_only=True)).header.revision)
+
+    # -- leases --------------------------------------------------------------------------------------------
+
+    def grant_lease(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds (etcd raises it to 1.5 election timeouts at least); its id."""
+        return int(self._call("grant_lease", lambda: self._raw.lease(ttl_s)).id)
+
+    def refresh_lease(self, lease_id: int) -> bool:
+        """Reset the lease's TTL; False when etcd no longer knows it (expired or revoked)."""
+        responses = self._call("refresh_lease", lambda: list(self._raw.refresh_lease(lease_id)))
+        return bool(responses) and int(responses[0].TTL) > 0
+
+    def revoke_lease(self, lease_id: int) -> None:
+        """Revoke the lease and delete its keys; a lease already gone is not an error."""
+        try:
+            self._call("revoke_lease", lambda: self._raw.revoke_lease(lease_id), report=False)
+        except EtcdLeaseNotFoundError:
+            return
+        except EtcdError as exc:
+            self._report(exc)
+            raise
+
+    def lease_ttl(self, lease_id: int) -> int:
+        """Seconds the lease has left; -1 when it is gone."""
+        return int(self._call("lease_ttl", lambda: self._raw.get_lease_info(lease_id)).TTL)
+
+    def lease_of(self, key: str) -> int | None:
+        """The lease ``key`` is attached to (None when absent or not leased)."""
+        _, meta = self._call("get", lambda: self._raw.get(key))
+        if meta is None or not meta.lease_id:
+            return None
+        return int(meta.lease_id)
+
+    # -- watches -------------------------------------------------------------------------------------------
+
+    def wait_for_change(self, key_or_prefix: str, start_revision: int, timeout_s: float, prefix: bool = False) -> bool:
+        """Block until the key (or any key under the prefix) changes at a revision >= ``start_revision``.
+
+        Returns False when ``timeout_s`` passed without a change. True may be spurious (a broken watch stream,
+        e.g. etcd restarting, is reported to ``on_error`` and returns True): callers re-read and wait again,
+        so no change is missed and a lasting outage surfaces as an EtcdError from the re-read."""
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        kwargs: dict[str, Any] = {"start_revision": start_revision}
+        if prefix:
+            _check_prefix(key_or_prefix)
+            kwargs["range_end"] = pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(key_or_prefix))
+        watch_id = self._call("watch", lambda: self._raw.add_watch_callback(key_or_prefix, events.put, **kwargs))
+        try:
+            item = events.get(timeout=max(timeout_s, 0.0))
+        except queue.Empty:
+            return False
+        finally:
+            # Only queues a cancel request on the shared stream; cannot block on the network. A failover may
+            # have replaced the stream (and its watches with it), and pyetcd then finds no endpoint: ignore.
+            with self._lock, contextlib.suppress(*_RPC_ERRORS):
+                self._raw.watcher.cancel(watch_id)
+        if isinstance(item, pyetcd.exceptions.RevisionCompactedError):
+            return True  # history we asked for is gone: something changed, the caller re-reads
+        if isinstance(item, Exception):
+            error = _translate("watch", self._endpoint_label(), item)
+            self._report(error)
+            if error.code != "UNAVAILABLE":
+                raise error from None
+            # The stream broke (etcd restarting, failover): wake the caller to re-read, which waits for etcd
+            # within the request timeout and raises if it stays away.
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            self._raw.close()
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _call(self, operation: str, fn: Callable[[], T], report: bool = True) -> T:
+        try:
+            with self._lock:
+                return fn()
+        except _RPC_ERRORS as exc:
+            error = _translate(operation, self._endpoint_label(), exc)
+            if isinstance(exc, pyetcd.exceptions.NoServerAvailableError):
+                # Every endpoint failed within the failover backoff: let the next call try them all again
+                # instead of refusing for the rest of the backoff while etcd may already be back.
+                for endpoint in self._raw.endpoints.values():
+                    endpoint.last_failed = 0
+        if report:
+            self._report(error)
+        raise error
+
+    def _report(self, error: EtcdError) -> None:
+        if self._on_error is not None:
+            self._on_error(error)
+
+    def _endpoint_label(self) -> str:
+        try:
+            return str(self._raw.endpoint_in_use.netloc)
+        except Exception:  # the label is only for the message; never let it hide the real error
+            return format_endpoints(list(self._endpoints))
+
+
+def _check_prefix(prefix: str) -> None:
+    # etcd reads an empty range start as "no key"; elasticd never means "the whole keyspace".
+    if not prefix:
+        raise ValueError("an etcd key prefix must not be empty")
+
+
+def _translate(operation: str, endpoint: str, exc: BaseException) -> EtcdError:
+    rpc = exc if isinstance(exc, grpc.RpcError) else exc.__context__
+    if isinstance(rpc, grpc.RpcError) and hasattr(rpc, "code"):
+        code, detail = rpc.code().name, str(rpc.details() or "")
+    else:
+        code, detail = type(exc).__name__, str(exc) or type(exc).__name__
+    if "lease not found" in detail:
+        return EtcdLeaseNotFoundError(operation, endpoint, code, detail)
+    return EtcdError(operation, endpoint, code, detail)
+
+
+def _tls_credentials(ca_cert: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:
+    if (cert is None) != (key is None):
+        raise ConfigError("etcd cert/key", "give both the client certificate and its key, or neither")
+    if ca_cert is None:
+        if cert is not None:
+            raise ConfigError("etcd cacert", "a client certificate needs the CA certificate too")
+        return None
+    try:
+        return pyetcd.MultiEndpointEtcd3Client.get_secure_creds(ca_cert, key, cert)
+    except OSError as exc:
+        raise ConfigError("etcd TLS", f"cannot read {exc.filename}: {exc.strerror}") from None
+
+
+def _pyetcd_endpoint(endpoint: Endpoint, creds: grpc.ChannelCredentials | None, count: int) -> pyetcd.Endpoint:
+    # With one endpoint there is nothing to fail over to: never mark it failed, or pyetcd would refuse to use
+    # it for time_retry seconds (default 300) after a single error, e.g. while etcd restarts.
+    time_retry = _FAILOVER_BACKOFF_S if count > 1 else 0.0
+    host = f"[{endpoint.host}]" if ":" in endpoint.host else endpoint.host
+    return pyetcd.Endpoint(
+        host,
+        endpoint.port,
+        secure=creds is not None,
+        creds=creds,
+        time_retry=time_retry,
+        opts=_CHANNEL_OPTIONS,
+    )

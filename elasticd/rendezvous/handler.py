@@ -1,0 +1,194 @@
+"""The ``etcd-v3`` rendezvous handler: torch's ``DynamicRendezvousHandler`` over our etcd backend and store.
+
+This module owns how a handler is built from torchrun's ``RendezvousParameters`` (endpoints, TLS/auth, timing
+with elasticd's defaults) and its registration, both in torch's registry (:func:`register`) and as the
+``torchrun.handlers`` entry point (:func:`handler_factory`), so ``torchrun --rdzv-backend etcd-v3`` works
+without the elasticd daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousHandlerCreator,
+    RendezvousInfo,
+    RendezvousParameters,
+    rendezvous_handler_registry,
+)
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    DynamicRendezvousHandler,
+    RendezvousTimeout,
+    _Action,
+    _RendezvousContext,
+)
+
+from elasticd import envvars
+from elasticd.errors import ConfigError
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.keys import RunKeys, validate_run_id
+from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.store import EtcdV3Store
+
+BACKEND_NAME = "etcd-v3"
+
+# Heartbeats come from the agent's timer thread, not from the busy workers, so a short interval costs nothing
+# while training: every second (torch's default is 5 s).
+KEEP_ALIVE_INTERVAL_S = 1
+# A node is evicted after this many missed heartbeats: 3 x 1 s, so a dead node is noticed 3 s after its last
+# one.
+KEEP_ALIVE_MAX_ATTEMPT = 3
+# Once min_nodes have joined, wait this long for stragglers before closing the round (torch: 30 s). Nodes of
+# one job start together, and a late one joins the next round through torch's wait list anyway.
+LAST_CALL_TIMEOUT_S = 2
+# How long a round may take to form (torch's default): covers slow image pulls and node scheduling.
+JOIN_TIMEOUT_S = 600
+# Time allowed to mark the rendezvous closed at shutdown (torch's default).
+CLOSE_TIMEOUT_S = 30
+# One heartbeat (a state read + compare-and-set) must finish within this; etcd answers in milliseconds.
+HEARTBEAT_TIMEOUT_S = 5
+# Bound on reaching etcd when the handler is built; an unreachable etcd is a configuration error, reported
+# fast.
+CONNECT_TIMEOUT_S = 10
+
+
+class ElasticdRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous with a fresh worker store every round, plus what the daemon reports."""
+
+    _completed_round: int | None = None
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Never: workers get their own TCPStore address each round (see :meth:`next_rendezvous`)."""
+        return False
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """See base class. Each round publishes a fresh MASTER_ADDR/MASTER_PORT picked by its rank 0."""
+        # torch reads this inside next_rendezvous. Sharing round 1's TCPStore with the workers breaks recovery
+        # when the node hosting it dies: every later round points at the dead host (pytorch issue #135712).
+        os.environ[envvars.TORCH_DISABLE_SHARED_STORE] = "1"
+        info = super().next_rendezvous()
+        self._completed_round = self._state_holder.state.round
+        return info
+
+    @property
+    def round(self) -> int | None:
+        """The round of the last rendezvous this node completed (None before the first)."""
+        return self._completed_round
+
+    def leave(self) -> bool:
+        """Stop heartbeats and take this node out of the rendezvous without closing it (``shutdown`` closes it
+        for every node): the others re-form without waiting out the keep-alive timeout. False when etcd could
+        not be reached; the keep-alive timeout then evicts this node anyway."""
+        self._stop_heartbeats()
+        try:
+            with self._heartbeat_lock:
+                self._op_executor.run(_LeaveOp(), self._get_deadline(self._settings.timeout.close))
+        except RendezvousError:
+            return False
+        return True
+
+    def participants(self) -> int:
+        """Nodes in the current round, from the shared state (read from etcd at most once a second)."""
+        with self._heartbeat_lock:
+            self._state_holder.sync()
+            return len(self._state_holder.state.participants)
+
+
+class _LeaveOp:
+    """Like torch's exit op, which only leaves the participants, but also leaves the wait and redundancy lists."""
+
+    def __call__(self, ctx: _RendezvousContext, deadline: float) -> _Action:
+        state = ctx.state
+        if ctx.node in state.participants:
+            action = _Action.REMOVE_FROM_PARTICIPANTS
+        elif ctx.node in state.wait_list:
+            action = _Action.REMOVE_FROM_WAIT_LIST
+        elif ctx.node in state.redundancy_list:
+            action = _Action.REMOVE_FROM_REDUNDANCY_LIST
+        else:
+            return _Action.FINISH
+        return _Action.ERROR_TIMEOUT if time.monotonic() > deadline else action
+
+
+def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:
+    """Build a connected handler from torchrun's parameters.
+
+    ``params.endpoint`` is ``HOST:PORT[,HOST:PORT...]``; optional config keys (``--rdzv-conf``):
+    ``connect_timeout``, ``cacert``, ``cert``, ``key``, ``user``, ``password``, ``join_timeout``,
+    ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout`` (seconds), ``keep_alive_interval`` (whole
+    seconds), ``keep_alive_max_attempt``. Raises ConfigError for bad parameters and EtcdUnavailableError when
+    etcd does not answer in time."""
+    reason = validate_run_id(params.run_id)
+    if reason is not None:
+        raise ConfigError("--rdzv-id", f"{params.run_id!r}: {reason}")
+    endpoints = parse_endpoints(params.endpoint, key="--rdzv-endpoint")
+    client = EtcdClient.connect(
+        endpoints,
+        connect_timeout_s=_seconds(params, "connect_timeout", CONNECT_TIMEOUT_S),
+        ca_cert=params.get("cacert"),
+        cert=params.get("cert"),
+        key=params.get("key"),
+        user=params.get("user"),
+        password=params.get("password"),
+    )
+    timeout = RendezvousTimeout(
+        join=timedelta(seconds=_seconds(params, "join_timeout", JOIN_TIMEOUT_S)),
+        last_call=timedelta(seconds=_seconds(params, "last_call_timeout", LAST_CALL_TIMEOUT_S)),
+        close=timedelta(seconds=_seconds(params, "close_timeout", CLOSE_TIMEOUT_S)),
+        heartbeat=timedelta(seconds=_seconds(params, "heartbeat_timeout", HEARTBEAT_TIMEOUT_S)),
+    )
+    keys = RunKeys(params.run_id)
+    # from_backend constructs through cls(...), so this returns our subclass with torch's own wiring.
+    handler = ElasticdRendezvousHandler.from_backend(
+        params.run_id,
+        EtcdV3Store(client, keys.store_prefix),
+        EtcdV3RendezvousBackend(client, params.run_id),
+        params.min_nodes,
+        params.max_nodes,
+        params.local_addr,
+        timeout,
+        keep_alive_interval=_positive_int(params, "keep_alive_interval", KEEP_ALIVE_INTERVAL_S),
+        keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT),
+    )
+    assert isinstance(handler, ElasticdRendezvousHandler)
+    return handler
+
+
+def handler_factory() -> RendezvousHandlerCreator:
+    """The ``torchrun.handlers`` entry point: torch calls it and registers the result as ``etcd-v3``."""
+    return create_handler
+
+
+def register() -> None:
+    """Register ``etcd-v3`` in torch's handler registry; calling it again is a no-op.
+
+    Raises torch's ValueError if another creator already holds the name.
+    """
+    rendezvous_handler_registry.register(BACKEND_NAME, create_handler)
+
+
+def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+    value = params.get(key, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"rdzv {key}", f"{value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise ConfigError(f"rdzv {key}", f"{value!r} must be a positive number of seconds")
+    return seconds
+
+
+def _positive_int(params: RendezvousParameters, key: str, default: int) -> int:
+    value = params.get(key, default)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"rdzv {key}", f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise ConfigError(f"rdzv {key}", f"{value!r} must be at least 1")
+    return number

@@ -1,0 +1,168 @@
+"""A c10d :class:`torch.distributed.Store` over etcd v3, under one key prefix.
+
+This module owns the store torch's rendezvous hands to the agent (torch wraps it in a ``PrefixStore`` per
+round). Values are stored as bytes; counters (``add``) as decimal strings like c10d's stores. Blocking reads
+wait on an etcd watch that starts right after the revision of the failed read, so no write is missed and
+nothing polls. A timeout raises ``torch.distributed.DistStoreError`` (what ``TCPStore`` raises) naming the
+missing keys; an etcd failure raises ``torch.distributed.DistNetworkError``.
+
+C++ callers (``PrefixStore``) can reach every method here except ``delete_key`` and ``num_keys``: torch's
+pybind trampoline does not forward those two to Python, so call them on this object directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import ParamSpec, TypeVar, cast
+
+import torch.distributed as dist
+
+from elasticd.etcd.client import EtcdClient, EtcdError
+
+T = TypeVar("T")
+P = ParamSpec("P")
+# A wait without deadline (c10d's "no timeout" is a zero timedelta) still re-reads this often (seconds), so a
+# watch lost in some way nobody reported cannot park a caller forever.
+_NO_TIMEOUT_SLICE_S = 30.0
+
+
+class EtcdV3Store(dist.Store):
+    """c10d Store semantics on etcd: set, get, add, compare_set, wait, check, multi_get, multi_set,
+    delete_key, num_keys."""
+
+    def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta | None = None) -> None:
+        super().__init__()  # the pybind trampoline needs its C++ half initialised before anything else
+        if not prefix:
+            raise ValueError("the store needs a non-empty key prefix")
+        self._client = client
+        self._prefix = prefix if prefix.endswith("/") else prefix + "/"
+        if timeout is not None:
+            self.set_timeout(timeout)
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._etcd(self._client.put, self._key(key), _to_bytes(value))
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting up to the store timeout for it to be set."""
+        return self._wait_all([key], self._timeout())[key]
+
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add ``amount`` to the decimal counter at ``key`` (absent: 0); returns the new value."""
+        full = self._key(key)
+        current = self._etcd(self._client.get, full)
+        while True:
+            value, revision = current if current is not None else (b"0", 0)
+            try:
+                total = int(value) + amount
+            except ValueError:
+                raise dist.DistStoreError(f"add on key {key!r}: its value {value[:32]!r} is not an integer") from None
+            result = self._etcd(self._client.put_if, full, str(total).encode(), revision)
+            if result.succeeded:
+                return total
+            current = result.current  # lost a race: retry from the winner's value, no extra read
+
+    def compare_set(self, key: str, expected_value: bytes | str, desired_value: bytes | str) -> bytes:
+        """c10d semantics: set ``desired_value`` when the current value equals ``expected_value`` (or the key
+        is absent and ``expected_value`` is empty); return the value that is there afterwards. When the key is
+        absent and ``expected_value`` is not empty, nothing is written and ``expected_value`` is returned (as
+        TCPStore)."""
+        full, expected, desired = self._key(key), _to_bytes(expected_value), _to_bytes(desired_value)
+        current = self._etcd(self._client.get, full)
+        while True:
+            if current is None:
+                if expected:
+                    return expected
+                revision = 0
+            else:
+                value, revision = current
+                if value != expected:
+                    return value
+            result = self._etcd(self._client.put_if, full, desired, revision)
+            if result.succeeded:
+                return desired
+            current = result.current
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        """Return once every key is set; DistStoreError naming the missing ones after ``timeout`` (default:
+        the store timeout)."""
+        self._wait_all(list(keys), self._timeout() if timeout is None else timeout)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key is set now (no waiting)."""
+        full = [self._key(k) for k in keys]
+        return len(self._etcd(self._client.get_many, full)) == len(set(full))
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """Values of ``keys`` in order, waiting (store timeout) until all are set."""
+        keys = list(keys)
+        found = self._wait_all(keys, self._timeout())
+        return [found[k] for k in keys]
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[bytes | str]) -> None:
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+    def delete_key(self, key: str) -> bool:
+        """True when the key existed."""
+        return self._etcd(self._client.delete, self._key(key))
+
+    def num_keys(self) -> int:
+        """How many keys this store holds (all rounds, as TCPStore counts all of its keys)."""
+        return self._etcd(self._client.count_prefix, self._prefix)
+
+    # -- internals -----------------------------------------------------------------------------------------
+
+    def _timeout(self) -> timedelta:
+        # The C++ base class holds the timeout (set_timeout, PrefixStore); torch's stubs do not declare it.
+        return cast(timedelta, self.timeout)  # type: ignore[attr-defined]
+
+    def _key(self, key: str | bytes) -> str:
+        return self._prefix + (key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key)
+
+    def _wait_all(self, keys: list[str], timeout: timedelta) -> dict[str, bytes]:
+        full = {self._key(k): k for k in keys}
+        no_deadline = timeout.total_seconds() <= 0
+        deadline = time.monotonic() + timeout.total_seconds()
+        found = self._etcd(self._client.get_many, list(full))
+        while len(found) < len(full):
+            # Read the revision first, then the keys: a write after that read has a later revision, which the
+            # watch below replays, so nothing set between the read and the start of the watch is missed.
+            revision = self._etcd(self._client.revision)
+            found = self._etcd(self._client.get_many, list(full))
+            missing = [f for f in full if f not in found]
+            if not missing:
+                break
+            remaining = _NO_TIMEOUT_SLICE_S if no_deadline else deadline - time.monotonic()
+            if remaining <= 0:
+                raise dist.DistStoreError(
+                    f"wait timeout after {int(timeout.total_seconds() * 1000)}ms, "
+                    f"keys: {', '.join(full[f] for f in missing)}"
+                )
+            watched = missing[0] if len(missing) == 1 else _common_prefix(missing)
+            self._etcd(self._client.wait_for_change, watched, revision + 1, remaining, prefix=len(missing) > 1)
+        return {full[f]: v for f, v in found.items()}
+
+    def _etcd(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return call(*args, **kwargs)
+        except EtcdError as exc:
+            raise dist.DistNetworkError(f"etcd store under {self._prefix}: {exc}") from exc
+
+
+def _common_prefix(keys: list[str]) -> str:
+    # Character-wise on purpose: etcd prefixes are byte ranges, not path components.
+    first, last = min(keys), max(keys)
+    length = next((i for i, (a, b) in enumerate(zip(first, last, strict=False)) if a != b), min(len(first), len(last)))
+    return first[:length]
+
+
+def _to_bytes(value: bytes | str) -> bytes:
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
