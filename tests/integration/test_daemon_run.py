@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -145,3 +146,63 @@ def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> Non
             assert c.nodes[name].wait(120) == 0, c.diagnostics()
         assert c.last_step()["step"] == 120  # type: ignore[index]
         assert not [e for n in c.nodes.values() for e in n.events("restart")]
+
+
+def test_sigterm_stops_one_node_cleanly_and_the_others_go_on(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="sigterm",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=("--steps", "1000", "--sleep", "0.05", "--checkpoint-every", "10"),
+    ) as c:
+        for name in ("tm-a", "tm-b", "tm-c"):
+            c.start(name)
+        c.wait_step(lambda s: s["world_size"] == 3 and s["step"] >= 5, what="3 workers")
+        victim = c.nodes["tm-c"]
+        victim.proc.send_signal(signal.SIGTERM)
+        assert victim.wait(30) == 128 + signal.SIGTERM
+        assert victim.events("stopped_by_signal") and "Traceback" not in victim.err.read_text()
+        wait_until(lambda: not leftover_processes(["tm-c"]), 15, "tm-c's worker to exit")
+        mark = time.time()
+        c.wait_step(lambda s: s["t"] > mark and s["world_size"] == 2, timeout_s=60, what="2 workers go on")
+
+
+def test_elasticd_etcd_serves_the_v3_api_until_sigterm(tmp_path: Path) -> None:
+    from elasticd.etcd.client import EtcdClient
+    from elasticd.etcd.endpoints import parse_endpoints
+    from elasticd.etcd.server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "elasticd", "etcd", "--port", str(port), "--data-dir", str(tmp_path / "d")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        banner = proc.stdout.readline()
+        assert f"127.0.0.1:{port}" in banner
+        client = EtcdClient.connect(parse_endpoints(f"127.0.0.1:{port}"), connect_timeout_s=10)
+        client.put("/probe", b"1")
+        assert client.get("/probe")[0] == b"1"  # type: ignore[index]
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_elasticd_etcd_on_a_busy_port_is_a_usage_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = elasticd("etcd", "--port", str(port), cwd=tmp_path, timeout_s=30)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"elasticd: error: --port: port {port} on 127.0.0.1 is already in use"
