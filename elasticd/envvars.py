@@ -15,6 +15,11 @@ CHECKPOINT_EVERY_STEPS = "ELASTICD_CHECKPOINT_EVERY_STEPS"
 CHECKPOINT_EVERY_SECONDS = "ELASTICD_CHECKPOINT_EVERY_SECONDS"
 KEEP_CHECKPOINTS = "ELASTICD_KEEP_CHECKPOINTS"
 ON_NAN = "ELASTICD_ON_NAN"
+ASYNC_CHECKPOINTS = "ELASTICD_ASYNC_CHECKPOINTS"
+# The daemon's own options, also given to workers: the fence needs etcd, the batch plan the elastic range.
+ETCD = "ELASTICD_ETCD"
+MIN_NODES = "ELASTICD_MIN_NODES"
+MAX_NODES = "ELASTICD_MAX_NODES"
 # The rendezvous round the workers were started in; a checkpoint writer from an older round is fenced off.
 ROUND = "ELASTICD_ROUND"
 # Test-only fault injection (documented as a testing aid in docs/testing.md).

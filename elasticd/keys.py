@@ -59,6 +59,11 @@ class RunKeys:
         return f"{self.nodes_prefix}{node_id}"
 
     @property
+    def round(self) -> str:
+        """The current rendezvous round, written by each round's rank-0 agent: the fence for checkpoint commits."""
+        return f"{self.prefix}round"
+
+    @property
     def checkpoint_latest(self) -> str:
         return f"{self.prefix}checkpoint/latest"
 

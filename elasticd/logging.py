@@ -14,8 +14,14 @@ from typing import Literal
 import structlog
 
 
-def configure_logging(fmt: Literal["json", "console"] | None = None, level: int = logging.INFO) -> None:
-    """Route structlog (and torch's stdlib loggers, at WARNING) to stderr in ``fmt``; None picks by TTY."""
+def configure_logging(
+    fmt: Literal["json", "console"] | None = None, level: int = logging.INFO, *, stdlib: bool = True
+) -> None:
+    """Route structlog (and, with ``stdlib``, torch's stdlib loggers at WARNING) to stderr in ``fmt``.
+
+    ``fmt`` None picks console on a TTY, JSON otherwise. Workers call it with ``stdlib=False``: the training
+    script's own logging setup is not ours to change.
+    """
     if fmt is None:
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer: structlog.typing.Processor
@@ -35,6 +41,8 @@ def configure_logging(fmt: Literal["json", "console"] | None = None, level: int 
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
+    if not stdlib:
+        return
     # torch.distributed.elastic logs every rendezvous step at INFO; our own events say what matters.
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 

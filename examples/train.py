@@ -1,14 +1,12 @@
-"""A small accelerate training script that survives anything elasticd throws at it.
+"""An accelerate training script that survives anything elasticd throws at it (examples/plain_train.py, elastic).
 
-Runs the same under ``elasticd start``, ``torchrun``, ``accelerate launch`` and plain ``python``:
+    elasticd start --nproc-per-node 2 examples/train.py          # elastic, restarted through failures
+    python examples/train.py                                     # plain: the library acts locally
 
-    elasticd start --nproc-per-node 2 examples/train.py --steps 200
-    python examples/train.py --steps 50
-
-It learns a linear map from synthetic data. The batch of step ``s`` is drawn from a generator seeded with
-``(seed, s)`` and split across ranks, so a run resumed at any world size sees the same data per step. Every
-``--checkpoint-every`` steps it commits an ``accelerator.save_state`` checkpoint (atomic: ``.partial`` then rename);
-at start it resumes from the newest committed one. Rank 0 prints one JSON line per step.
+Everything the accelerate tutorial shows is here: config, prepare, backward, autocast, gradient accumulation,
+save_state/load_state. elasticd adds: resume from the newest committed checkpoint at any world size, the same
+global batch and LR schedule at any world size, every sample of an epoch exactly once, checkpoints (periodic and on
+demand), a guard against non-finite steps, and progress beats to the daemon.
 """
 
 from __future__ import annotations
@@ -21,106 +19,92 @@ import time
 import torch
 from accelerate import Accelerator
 from torch import nn
+from torch.utils.data import Dataset
 
-from elasticd.worker.beats import BeatClient
-from elasticd.worker.checkpoints import CheckpointStore
+import elasticd
 
 FEATURES = 16
 
 
+class Regression(Dataset[dict[str, torch.Tensor]]):
+    """A synthetic dataset: y = x · w + noise, every sample derived from its id (so runs are reproducible)."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size, self.seed = size, seed
+        self.true_w = torch.linspace(-1.0, 1.0, FEATURES)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        x = torch.randn(FEATURES, generator=g)
+        y = (x @ self.true_w + 0.01 * torch.randn((), generator=g)).unsqueeze(0)
+        return {"x": x, "y": y, "id": torch.tensor(i)}
+
+
 def parse_args() -> argparse.Namespace:
-    env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps in total")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--dataset-size", type=int, default=4800)
     p.add_argument("--global-batch", type=int, default=48, help="samples per optimizer step, all ranks together")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per forward/backward on one rank")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step, to stand in for real compute")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
-    p.add_argument("--checkpoint-every", type=int, default=int(env("ELASTICD_CHECKPOINT_EVERY_STEPS", "20")))
-    p.add_argument("--checkpoint-dir", default=env("ELASTICD_CHECKPOINT_DIR", "checkpoints"))
-    p.add_argument("--run-id", default=env("ELASTICD_RUN_ID", "default"))
-    p.add_argument("--keep", type=int, default=int(env("ELASTICD_KEEP_CHECKPOINTS", "3")))
+    p.add_argument("--record-ids", default=None, help="append the sample ids each rank trains on (tests)")
     return p.parse_args()
-
-
-def batch_for_step(step: int, seed: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The whole global batch of ``step``, identical on every rank and at every world size."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    true_w = torch.linspace(-1.0, 1.0, FEATURES).unsqueeze(1)
-    x = torch.randn(global_batch, FEATURES, generator=g)
-    y = x @ true_w + 0.01 * torch.randn(global_batch, 1, generator=g)
-    return x, y
 
 
 def main() -> None:
     args = parse_args()
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.grad_accum,
         cpu=not torch.cuda.is_available(),  # without it, accelerate on a CPU host ignores WORLD_SIZE and runs alone
     )
+    run = elasticd.attach(accelerator)  # finds the newest committed checkpoint, if any
     torch.manual_seed(args.seed)
+    dataset = Regression(args.dataset_size, args.seed)
+    loader = run.dataloader(dataset, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seed=0)
     model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.01 * s))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    run.resume(model, optimizer, scheduler)  # load_state + data position; a no-op on a fresh run
+    record = open(args.record_ids, "a") if args.record_ids else None  # noqa: SIM115
 
-    store = CheckpointStore(args.checkpoint_dir, args.run_id, keep=args.keep)
-    if accelerator.is_main_process:
-        store.remove_partials()
-    accelerator.wait_for_everyone()
-    step = 0
-    if (latest := store.latest()) is not None:
-        accelerator.load_state(str(latest.path))
-        step = latest.step
-    beats = BeatClient.from_env()
-    world, rank = accelerator.num_processes, accelerator.process_index
-    if args.global_batch % (world * args.grad_accum):
-        raise SystemExit(f"--global-batch {args.global_batch} must divide by world size x grad accum")
-    micro = args.global_batch // (world * args.grad_accum)
-    if accelerator.is_main_process:
-        print(json.dumps({"event": "start", "step": step, "world_size": world, "t": time.time()}), flush=True)
-
-    while step < args.steps:
-        started = time.perf_counter()
-        x, y = batch_for_step(step, args.seed, args.global_batch)
-        mine = slice(rank * micro * args.grad_accum, (rank + 1) * micro * args.grad_accum)
-        for xm, ym in zip(x[mine].split(micro), y[mine].split(micro), strict=True):
-            with accelerator.accumulate(model), accelerator.autocast():
-                loss = nn.functional.mse_loss(model(xm), ym)
-                accelerator.backward(loss)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-        if args.sleep:
+    for batch in run.batches(loader, epochs=args.epochs):  # continues exactly where the run stopped
+        with accelerator.accumulate(model), accelerator.autocast():
+            error = ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1)
+            valid = batch["valid"].float()  # the epoch's last step is padded: padding does not count
+            loss = (error * valid).sum() / valid.sum().clamp(min=1)
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if record is not None:
+            ids = batch["id"][batch["valid"]].tolist()
+            line = {"step": run.state.step + 1, "round": run.settings.round, "rank": run.rank, "ids": ids}
+            print(json.dumps(line), file=record, flush=True)
+        run.step(loss)  # beat, NaN guard, periodic or requested checkpoint
+        if accelerator.sync_gradients:
             time.sleep(args.sleep)
-        step += 1
-        loss_value = accelerator.reduce(loss.detach(), reduction="mean").item()
-        step_time = time.perf_counter() - started
-        beats.send(step=step, loss=loss_value, samples=micro * args.grad_accum, step_time_s=step_time)
-        if accelerator.is_main_process:
-            line = {
-                "event": "step",
-                "step": step,
-                "loss": round(loss_value, 6),
-                "world_size": world,
-                "t": time.time(),
-            }
-            print(json.dumps(line), flush=True)
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
             if accelerator.is_main_process:
-                store.begin(step)
-            accelerator.wait_for_everyone()
-            accelerator.save_state(str(store.partial_path(step)))
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                store.commit(step, {"world_size": world})
-            accelerator.wait_for_everyone()
-
+                line = {
+                    "event": "step",
+                    "step": run.state.step,
+                    "epoch": run.state.data.epoch,
+                    "loss": round(loss.item(), 6),
+                    "lr": scheduler.get_last_lr()[0],
+                    "world_size": accelerator.num_processes,
+                    "accumulation": loader.plan.accumulation,
+                    "t": time.time(),
+                }
+                print(json.dumps(line), flush=True)
+    run.close()
     if accelerator.is_main_process:
-        print(json.dumps({"event": "done", "step": step, "world_size": world, "t": time.time()}), flush=True)
+        print(json.dumps({"event": "done", "step": run.state.step, "t": time.time(), "pid": os.getpid()}), flush=True)
     accelerator.end_training()
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
+from types import FrameType
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -68,7 +70,7 @@ def run_daemon(cfg: StartConfig) -> int:
         runtime_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
         stack.callback(shutil.rmtree, runtime_dir, ignore_errors=True)
         socket_path = str(runtime_dir / "beats.sock")
-        _export_worker_env(cfg, socket_path)
+        _export_worker_env(cfg, socket_path, endpoints)
 
         params = RendezvousParameters(
             backend="etcd-v3",
@@ -99,8 +101,10 @@ def run_daemon(cfg: StartConfig) -> int:
             metrics=metrics,
             registry=registry,
             drain_requested=lambda: drain_requested(client, keys),
+            write_round=lambda round_: client.put(keys.round, str(round_)),
         )
         stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat).close)
+        _install_leave_signals(agent)
         log.info(
             "daemon_started",
             version=__version__,
@@ -136,15 +140,36 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
         return EXIT_GAVE_UP
     if result.is_failed():
         handler.leave()
-        logger.error("exit", code=EXIT_GAVE_UP, message=agent.stop_message or "workers failed")
-        return EXIT_GAVE_UP
-    # Finished or drained: the run is over for every node, so close the rendezvous.
-    handler.shutdown()
-    logger.info("exit", code=EXIT_OK, drained=agent.drained)
+        code = agent.exit_code or EXIT_GAVE_UP
+        logger.error("exit", code=code, message=agent.stop_message or "workers failed")
+        return code
+    if agent.left:
+        handler.leave()  # this node alone leaves: the others go on in a new round
+    else:
+        handler.shutdown()  # finished or drained: the run is over for every node, so close the rendezvous
+    logger.info("exit", code=EXIT_OK, drained=agent.drained, left=agent.left)
     return EXIT_OK
 
 
-def _export_worker_env(cfg: StartConfig, socket_path: str) -> None:
+def _install_leave_signals(agent: ElasticdAgent) -> None:
+    """SIGTERM or SIGINT: leave cleanly (checkpoint, stop the workers, leave the round, exit 0).
+
+    torch's agent turns these signals into an immediate stop; we keep that for SIGHUP and SIGQUIT, for a second
+    signal, and for a signal that arrives while no workers run (waiting for a round, starting workers), when there
+    is nothing to save and waiting could outlast a Kubernetes grace period.
+    """
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if agent.leave_requested or not agent.graceful:
+            raise SignalException(f"elasticd got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+        agent.leave_requested = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+
+def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str) -> None:
     """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us."""
     os.environ.update(
         {
@@ -156,6 +181,9 @@ def _export_worker_env(cfg: StartConfig, socket_path: str) -> None:
             envvars.CHECKPOINT_EVERY_SECONDS: str(cfg.checkpoint_every_seconds),
             envvars.KEEP_CHECKPOINTS: str(cfg.keep_checkpoints),
             envvars.ON_NAN: cfg.on_nan,
+            envvars.ETCD: endpoints,
+            envvars.MIN_NODES: str(cfg.min_nodes),
+            envvars.MAX_NODES: str(cfg.max_nodes),
         }
     )
     if not _has_gpu():

@@ -23,12 +23,13 @@ class Action(StrEnum):
     CONTINUE = "continue"
     RESTART = "restart"  # stop the group, re-rendezvous, start again
     FINISH = "finish"  # training done: wait for the other nodes, exit 0
-    DRAIN = "drain"  # stop the group on request and exit 0
+    DRAIN = "drain"  # the whole run stops on request (elasticd stop): stop the group, close the run, exit 0
+    LEAVE = "leave"  # this node leaves (SIGTERM): stop the group, leave the rendezvous, exit 0; the others go on
     STOP = "stop"  # give up: exit 1
 
     @property
     def terminal(self) -> bool:
-        return self in (Action.FINISH, Action.DRAIN, Action.STOP)
+        return self in (Action.FINISH, Action.DRAIN, Action.LEAVE, Action.STOP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,11 @@ class Observation:
     state: GroupState
     nodes_waiting: int = 0  # nodes queued for the next round (a join)
     drain_requested: bool = False
+    leave_requested: bool = False
     restarts_left: int = 0
+    # every local worker saved a checkpoint that some node asked for: a planned change is under way elsewhere
+    peer_checkpointed: bool = False
+    fatal_message: str = ""  # a worker reported it must stop for good (e.g. non-finite steps beyond --on-nan)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,16 +50,22 @@ class Decision:
     reason: str = ""  # for RESTART: a label of elasticd_worker_restarts_total
     counts_as_restart: bool = False  # consumes one of --max-restarts
     message: str = ""
+    planned: bool = False  # take a checkpoint first (joins and drains lose no completed step)
 
 
 class SupervisorPolicy:
-    """Failures restart the group while restarts last; joins restart it for free; a drain wins over both."""
+    """Failures restart the group while restarts last; joins restart it for free, after a checkpoint; a drain wins
+    over both; a worker's fatal report stops the node."""
 
     def decide(self, obs: Observation) -> Decision:
         if obs.state is GroupState.SUCCEEDED:
             return Decision(Action.FINISH)
         if obs.drain_requested:
-            return Decision(Action.DRAIN, reason="drain")
+            return Decision(Action.DRAIN, reason="drain", planned=True)
+        if obs.leave_requested:
+            return Decision(Action.LEAVE, reason="drain", planned=True)
+        if obs.fatal_message:
+            return Decision(Action.STOP, reason="fatal", message=obs.fatal_message)
         if obs.state is GroupState.FAILED:
             if obs.restarts_left > 0:
                 return Decision(Action.RESTART, reason="failure", counts_as_restart=True)
@@ -63,7 +74,7 @@ class SupervisorPolicy:
                 reason="failure",
                 message="a worker failed and no restarts are left (raise --max-restarts to allow more)",
             )
-        if obs.nodes_waiting > 0:
+        if obs.nodes_waiting > 0 or obs.peer_checkpointed:
             # Torch's rule too: membership changes never consume --max-restarts.
-            return Decision(Action.RESTART, reason="membership")
+            return Decision(Action.RESTART, reason="membership", planned=True)
         return Decision(Action.CONTINUE)

@@ -9,7 +9,9 @@ names the node that was lost and how everyone names the node that joined.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,7 +23,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticd import envvars
 from elasticd.agent.policy import Action, GroupState, Observation, SupervisorPolicy
+from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.registry import NodeRegistry
+from elasticd.agent.reports import WorkerReports
 from elasticd.etcd.client import EtcdError
 from elasticd.logging import get_logger
 from elasticd.metrics import Metrics
@@ -36,8 +40,6 @@ _MEMBERSHIP_TIMEOUT_S = 60
 _CONTROL_POLL_S = 1.0
 # Seconds between two etcd_unavailable warnings while etcd stays away.
 _ETCD_WARN_INTERVAL_S = 10.0
-# Seconds between registry writes of the last step: status stays fresh without one etcd put per step.
-_REGISTRY_STEP_INTERVAL_S = 2.0
 
 
 class ElasticdAgent(LocalElasticAgent):
@@ -51,6 +53,8 @@ class ElasticdAgent(LocalElasticAgent):
         metrics: Metrics,
         registry: NodeRegistry,
         drain_requested: Callable[[], bool],
+        write_round: Callable[[int], None] = lambda _round: None,
+        checkpoint_timeout_s: float = 120.0,
         policy: SupervisorPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
         **kwargs: Any,
@@ -68,8 +72,14 @@ class ElasticdAgent(LocalElasticAgent):
         self.round: int | None = None
         self.drained = False
         self.stop_message = ""
-        self.fault_at: float | None = None  # monotonic time of the last fault, until the next step is seen
-        self._registry_written = 0.0
+        self.exit_code = 0
+        self.left = False
+        self.leave_requested = False  # set by the daemon's SIGTERM handler
+        self.graceful = False  # True while workers run under the loop: a signal can wait for a clean leave
+        self._write_round = write_round
+        self._checkpoint_timeout_s = checkpoint_timeout_s
+        self.reports = WorkerReports()
+        self.progress = ProgressTracker(metrics, registry, self.reports, lambda: self._log, clock)
         self._etcd_warned = -_ETCD_WARN_INTERVAL_S
 
     @property
@@ -80,6 +90,7 @@ class ElasticdAgent(LocalElasticAgent):
     # -- torch hooks ---------------------------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self.graceful = False  # nothing to checkpoint while we wait for a round: a signal ends the daemon
         self._registry.update(state="rendezvous")
         start = self._clock()
         super()._rendezvous(worker_group)
@@ -103,6 +114,8 @@ class ElasticdAgent(LocalElasticAgent):
                 self._log.warning("node_lost", lost_node=lost)
             for joined in sorted(set(members) - set(previous)):
                 self._log.info("node_joined", joined_node=joined)
+        if worker_group.group_rank == 0 and self.round is not None:
+            self._poll(lambda: self._write_round(self.round or 0), None)
         self._metrics.rendezvous_total.inc()
         self._metrics.rendezvous_duration_seconds.observe(duration_s)
         self._metrics.nodes.set(len(members))
@@ -130,35 +143,15 @@ class ElasticdAgent(LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # Workers inherit the daemon's environment; the round fences checkpoint commits from older rounds.
         os.environ[envvars.ROUND] = str(self.round if self.round is not None else 0)
+        self.reports.reset({w.local_rank for w in worker_group.workers})
         pids = super()._start_workers(worker_group)
         self._log.info("workers_started", pids=sorted(pids.values()), local_world_size=len(pids))
         self._registry.update(state="running")
         return pids
 
-    # -- beats (called on the receiver's thread) ----------------------------------------------------------------
-
     def on_beat(self, beat: dict[str, Any]) -> None:
-        """Carry a worker's beat into metrics, the registry (throttled) and the recovery measurement."""
-        if beat.get("kind") != "step" or not isinstance(beat.get("step"), int):
-            return
-        m = self._metrics
-        m.training_step.set(beat["step"])
-        m.last_progress_timestamp_seconds.set(float(beat.get("ts", time.time())))
-        if isinstance(beat.get("loss"), int | float):
-            m.training_loss.set(beat["loss"])
-        if isinstance(beat.get("samples"), int) and beat["samples"] > 0:
-            m.training_samples_total.inc(beat["samples"])
-        # Every local rank times the same optimizer step; one sample per node keeps the histogram a node's view.
-        if isinstance(beat.get("step_time_s"), int | float) and beat.get("local_rank", 0) == 0:
-            m.step_duration_seconds.observe(beat["step_time_s"])
-        now = self._clock()
-        if self.fault_at is not None:
-            recovery_s, self.fault_at = now - self.fault_at, None
-            m.recovery_duration_seconds.observe(recovery_s)
-            self._log.info("recovered", step=beat["step"], recovery_s=round(recovery_s, 3))
-        if now - self._registry_written >= _REGISTRY_STEP_INTERVAL_S:
-            self._registry_written = now
-            self._registry.update(last_step=beat["step"])
+        """Called on the beat receiver's thread for every beat of a local worker."""
+        self.progress.on_beat(beat)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -169,6 +162,7 @@ class ElasticdAgent(LocalElasticAgent):
         next_control_poll = 0.0
         drain = False
         while True:
+            self.graceful = True
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(worker_group)
             worker_group.state = result.state
@@ -178,23 +172,32 @@ class ElasticdAgent(LocalElasticAgent):
                 next_control_poll = now + _CONTROL_POLL_S
             state = _group_state(result.state)
             waiting = self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY else 0
+            fatal = self.reports.fatal
             decision = self._policy.decide(
-                Observation(state, waiting, drain_requested=drain, restarts_left=self._remaining_restarts)
+                Observation(
+                    state,
+                    waiting,
+                    drain_requested=drain,
+                    leave_requested=self.leave_requested,
+                    restarts_left=self._remaining_restarts,
+                    peer_checkpointed=state is GroupState.HEALTHY and self.reports.all_saved(),
+                    fatal_message=fatal.message if fatal else "",
+                )
             )
             if decision.action is Action.CONTINUE:
                 continue
+            self.graceful = decision.planned  # a second signal while we act ends the daemon at once
             if state is GroupState.FAILED:
                 self._log_failures(result)
+            if decision.planned and state is GroupState.HEALTHY:
+                self._checkpoint_first(worker_group, decision.reason)
             if decision.action is Action.RESTART:
-                self.fault_at = self._clock()
+                self.progress.fault()
                 if decision.counts_as_restart:
                     self._remaining_restarts -= 1
                 self._metrics.worker_restarts_total.labels(reason=decision.reason).inc()
                 self._log.info(
-                    "restart",
-                    reason=decision.reason,
-                    restarts_left=self._remaining_restarts,
-                    nodes_waiting=waiting,
+                    "restart", reason=decision.reason, restarts_left=self._remaining_restarts, nodes_waiting=waiting
                 )
                 self._registry.update(state="restarting")
                 self._restart_workers(worker_group)
@@ -204,8 +207,9 @@ class ElasticdAgent(LocalElasticAgent):
                 self._registry.update(state="finished")
                 self._exit_barrier()
                 return result
-            if decision.action is Action.DRAIN:
-                self._log.info("draining")
+            if decision.action in (Action.DRAIN, Action.LEAVE):
+                self.left = decision.action is Action.LEAVE
+                self._log.info("draining", scope="node" if self.left else "run")
                 self._metrics.worker_restarts_total.labels(reason="drain").inc()
                 self._registry.update(state="draining")
                 self._stop_workers(worker_group)
@@ -215,11 +219,39 @@ class ElasticdAgent(LocalElasticAgent):
                 stopped = {w.global_rank: None for w in worker_group.workers}
                 return RunResult(state=WorkerState.SUCCEEDED, return_values=stopped)
             self.stop_message = decision.message
+            self.exit_code = fatal.exit_code if fatal else 1
             self._log.error("gave_up", reason=decision.reason, message=decision.message)
             self._registry.update(state="failed")
             self._stop_workers(worker_group)
             worker_group.state = WorkerState.FAILED
             return result
+
+    def _checkpoint_first(self, worker_group: WorkerGroup, reason: str) -> None:
+        """Before a planned change: ask the workers for a checkpoint and wait until every local one has saved it.
+
+        Only workers that announced the protocol (``hello``) are asked; any others are stopped at once, as torch
+        would. A peer node may have asked already (its request reaches every rank): then the answer is here.
+        """
+        if not self.reports.all_saved():
+            if not self.reports.all_capable():
+                return
+            pcontext = self._pcontext
+            pids = list(pcontext.pids().values()) if pcontext is not None else []
+            self._log.info("checkpoint_requested", reason=reason, pids=pids)
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGUSR2)
+            deadline = self._clock() + self._checkpoint_timeout_s
+            while not self.reports.all_saved() and self._clock() < deadline:
+                if _group_state(self._monitor_workers(worker_group).state) is not GroupState.HEALTHY:
+                    break
+                time.sleep(0.05)
+        step = self.reports.saved_step()
+        if step is None:
+            self._log.warning("checkpoint_request_unanswered", reason=reason, timeout_s=self._checkpoint_timeout_s)
+        else:
+            self._log.info("checkpoint_saved", reason=reason, step=step)
+        self.reports.clear_saved()
 
     def _poll(self, read: Callable[[], T], fallback: T) -> T:
         """An etcd read of the loop; while etcd is away the workers train on and we look again next time."""

@@ -206,6 +206,17 @@ class EtcdClient:
         current = (bytes(kvs[0][0]), int(kvs[0][1].mod_revision)) if kvs else None
         return PutIfResult(bool(succeeded), current)
 
+    def put_if_equal(self, guard_key: str, expected: bytes | str, key: str, value: bytes | str) -> bool:
+        """Write ``key`` only if ``guard_key`` currently holds ``expected`` (a fence); True when written."""
+        tx = self._raw.transactions
+        succeeded, _ = self._call(
+            "fenced put",
+            lambda: self._raw.transaction(
+                compare=[tx.value(guard_key) == expected], success=[tx.put(key, value)], failure=[]
+            ),
+        )
+        return bool(succeeded)
+
     def create(self, key: str, value: bytes | str, lease_id: int | None = None) -> bool:
         """Write only if ``key`` is absent; True when written."""
         return self.put_if(key, value, 0, lease_id).succeeded

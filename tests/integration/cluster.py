@@ -25,6 +25,28 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train.py"
 
 
+STEPS_PER_EPOCH = 10  # train_args' dataset: 480 samples in global batches of 48
+
+
+def train_args(steps: int, sleep_s: float = 0.05, *extra: str) -> tuple[str, ...]:
+    """examples/train.py arguments for a run of ``steps`` optimizer steps (a multiple of 10)."""
+    assert steps % STEPS_PER_EPOCH == 0
+    epochs = steps // STEPS_PER_EPOCH
+    return (
+        "--epochs",
+        str(epochs),
+        "--dataset-size",
+        "480",
+        "--global-batch",
+        "48",
+        "--micro-batch",
+        "4",
+        "--sleep",
+        str(sleep_s),
+        *extra,
+    )
+
+
 def read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
     if not path.exists():
         return
@@ -112,7 +134,7 @@ class Cluster:
         max_nodes: int = 1,
         nproc_per_node: int = 1,
         script: Path = EXAMPLE,
-        script_args: tuple[str, ...] = ("--steps", "60", "--sleep", "0.05", "--checkpoint-every", "10"),
+        script_args: tuple[str, ...] | None = None,
         extra: tuple[str, ...] = (),
     ) -> None:
         self.etcd = etcd
@@ -134,13 +156,15 @@ class Cluster:
             "127.0.0.1",
             "--checkpoint-dir",
             str(self.checkpoint_dir),
+            "--checkpoint-every-steps",
+            "10",
             "--metrics-port",
             "0",
             "--log-format",
             "json",
             *extra,
         ]
-        self.script = [str(script), *script_args]
+        self.script = [str(script), *(train_args(60) if script_args is None else script_args)]
         self.nodes: dict[str, Node] = {}
 
     def start(self, name: str, *extra: str) -> Node:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster import EXAMPLE, Cluster, leftover_processes, wait_until
+from tests.integration.cluster import EXAMPLE, Cluster, leftover_processes, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -41,25 +41,26 @@ def test_single_node_run_on_embedded_etcd_finishes_and_commits_checkpoints(tmp_p
         "json",
         "--run-id",
         "solo",
-        str(EXAMPLE),
-        "--steps",
-        "25",
-        "--checkpoint-every",
+        "--checkpoint-every-steps",
         "10",
+        str(EXAMPLE),
+        *train_args(20, 0.0),
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event": "step"')]
-    assert steps[-1]["step"] == 25 and steps[-1]["world_size"] == 2
+    assert steps[-1]["step"] == 20 and steps[-1]["world_size"] == 2
     events = [json.loads(line)["event"] for line in result.stderr.splitlines() if line.startswith("{")]
     assert {"embedded_etcd_started", "daemon_started", "rendezvous_done", "workers_started", "exit"} <= set(events)
     committed = sorted(p.name for p in (tmp_path / "checkpoints" / "solo").iterdir())
     assert committed == ["step-000000000010", "step-000000000020"]
+    manifest = json.loads((tmp_path / "checkpoints" / "solo" / "step-000000000020" / "elasticd.json").read_text())
+    assert manifest["step"] == 20 and manifest["world_size"] == 2 and manifest["global_batch_size"] == 48
 
 
 def test_same_run_id_can_run_again_after_it_finished(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     for attempt in range(2):
-        with Cluster(etcd.endpoint, tmp_path, run_id="again", script_args=("--steps", "5")) as c:
+        with Cluster(etcd.endpoint, tmp_path, run_id="again", script_args=train_args(10)) as c:
             node = c.start(f"again-{attempt}")
             assert node.wait(90) == 0, node.tail()
 
@@ -93,7 +94,7 @@ def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp
         run_id="stat",
         min_nodes=2,
         max_nodes=2,
-        script_args=("--steps", "1000", "--sleep", "0.05", "--checkpoint-every", "10"),
+        script_args=train_args(1000, 0.05),
     ) as c:
         c.start("st-a"), c.start("st-b")
         c.wait_step(lambda s: s["step"] >= 10, what="step 10")
@@ -129,7 +130,7 @@ def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> Non
         run_id="etcdrestart",
         min_nodes=2,
         max_nodes=2,
-        script_args=("--steps", "120", "--sleep", "0.05", "--checkpoint-every", "10"),
+        script_args=train_args(120),
     ) as c:
         c.start("er-a"), c.start("er-b")
         c.wait_step(lambda s: s["step"] >= 10, what="step 10")
@@ -148,25 +149,28 @@ def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> Non
         assert not [e for n in c.nodes.values() for e in n.events("restart")]
 
 
-def test_sigterm_stops_one_node_cleanly_and_the_others_go_on(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_leaves_after_a_checkpoint_and_the_others_go_on_losing_no_step(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
-        etcd.endpoint,
-        tmp_path,
-        run_id="sigterm",
-        min_nodes=2,
-        max_nodes=3,
-        script_args=("--steps", "1000", "--sleep", "0.05", "--checkpoint-every", "10"),
+        etcd.endpoint, tmp_path, run_id="sigterm", min_nodes=2, max_nodes=3, script_args=train_args(1000)
     ) as c:
         for name in ("tm-a", "tm-b", "tm-c"):
             c.start(name)
         c.wait_step(lambda s: s["world_size"] == 3 and s["step"] >= 5, what="3 workers")
         victim = c.nodes["tm-c"]
         victim.proc.send_signal(signal.SIGTERM)
-        assert victim.wait(30) == 128 + signal.SIGTERM
-        assert victim.events("stopped_by_signal") and "Traceback" not in victim.err.read_text()
-        wait_until(lambda: not leftover_processes(["tm-c"]), 15, "tm-c's worker to exit")
-        mark = time.time()
-        c.wait_step(lambda s: s["t"] > mark and s["world_size"] == 2, timeout_s=60, what="2 workers go on")
+        assert victim.wait(60) == 0, c.diagnostics()
+        assert victim.events("draining")[-1]["scope"] == "node"
+        saved = victim.events("checkpoint_saved")[-1]["step"]
+        assert "Traceback" not in victim.err.read_text()
+        wait_until(lambda: not leftover_processes(["tm-c"]), 15, "tm-c's workers to exit")
+        # the two others restart from exactly the checkpoint taken for the leave: no completed step is lost
+        for name in ("tm-a", "tm-b"):
+            c.nodes[name].wait_event("resumed", where=lambda e: e["step"] == saved)
+            assert c.nodes[name].events("restart")[-1]["reason"] == "membership"
+        # the step that took the checkpoint parks inside run.step() before the script prints it
+        before = [s["step"] for s in c.all_steps() if s["world_size"] == 3]
+        assert max(before) in (saved - 1, saved)
+        c.wait_step(lambda s: s["world_size"] == 2 and s["step"] > saved, timeout_s=60, what="2 workers go on")
 
 
 def test_elasticd_etcd_serves_the_v3_api_until_sigterm(tmp_path: Path) -> None:

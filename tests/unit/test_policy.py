@@ -21,16 +21,38 @@ def test_failure_without_restarts_left_stops_with_a_reason() -> None:
     assert d.action is Action.STOP and d.action.terminal and "--max-restarts" in d.message
 
 
-def test_waiting_node_restarts_for_free() -> None:
+def test_waiting_node_restarts_for_free_after_a_checkpoint() -> None:
     d = policy.decide(Observation(GroupState.HEALTHY, nodes_waiting=1, restarts_left=0))
-    assert (d.action, d.reason, d.counts_as_restart) == (Action.RESTART, "membership", False)
+    assert (d.action, d.reason, d.counts_as_restart, d.planned) == (Action.RESTART, "membership", False, True)
+
+
+def test_checkpoint_asked_by_a_peer_restarts_the_group_too() -> None:
+    d = policy.decide(Observation(GroupState.HEALTHY, peer_checkpointed=True))
+    assert (d.action, d.reason, d.planned) == (Action.RESTART, "membership", True)
+
+
+def test_fatal_report_stops_without_restart_even_with_restarts_left() -> None:
+    d = policy.decide(Observation(GroupState.FAILED, restarts_left=5, fatal_message="non-finite loss"))
+    assert (d.action, d.message) == (Action.STOP, "non-finite loss")
+
+
+def test_failure_is_not_planned() -> None:
+    assert not policy.decide(Observation(GroupState.FAILED, restarts_left=1)).planned
 
 
 def test_drain_wins_over_failure_and_join() -> None:
     for state in (GroupState.HEALTHY, GroupState.FAILED):
         d = policy.decide(Observation(state, nodes_waiting=2, drain_requested=True))
-        assert d.action is Action.DRAIN
+        assert d.action is Action.DRAIN and d.planned
 
 
 def test_success_finishes_even_when_a_drain_was_asked() -> None:
     assert policy.decide(Observation(GroupState.SUCCEEDED, drain_requested=True)).action is Action.FINISH
+
+
+def test_leave_request_is_planned_and_loses_to_a_run_wide_drain() -> None:
+    d = policy.decide(Observation(GroupState.HEALTHY, leave_requested=True, nodes_waiting=1))
+    assert (d.action, d.planned) == (Action.LEAVE, True)
+    assert policy.decide(Observation(GroupState.HEALTHY, leave_requested=True, drain_requested=True)).action is (
+        Action.DRAIN
+    )

@@ -1,0 +1,705 @@
+"""Recovery benchmark: elasticd against plain torchrun, side by side, on the same elastic 3-node job.
+
+The job: 3 node processes on 127.0.0.1 (``--min-nodes 2 --max-nodes 3``), one gloo worker each, running
+``examples/train.py --sleep 0.05`` for more epochs than it ever reaches, with a committed checkpoint every 10
+steps (the worker library's ``ELASTICD_CHECKPOINT_EVERY_STEPS``: elasticd's ``--checkpoint-every-steps 10``, set
+directly for torchrun). Rank 0 prints one JSON line per step with ``step``, ``world_size`` and ``t`` (unix s);
+every time below is taken from those lines. Nodes run a copy of ``elasticd/`` and ``examples/`` made when the
+benchmark starts, so edits to the tree during a run do not reach it.
+
+Scenarios, each timed in seconds, median of ``--trials`` trials (a fresh etcd or rendezvous port, run id and
+checkpoint dir per trial and system):
+
+- ``join``: 2 nodes train; a 3rd node process starts. From the moment it is spawned to the first step line
+  with ``world_size == 3``.
+- ``node_loss``: 3 nodes train; one whole node (its launcher and its worker) gets SIGKILL at one moment. From
+  the kill to the first step line with ``world_size == 2`` and ``t`` after the kill. The victim never hosts
+  torchrun's c10d rendezvous store (the first-started node, which no torchrun job survives losing): for
+  torchrun it is the other node with the highest group rank, for elasticd the node whose last
+  ``rendezvous_done`` has the highest ``group_rank``.
+- ``node_loss_rank0`` (elasticd only): the same, killing the node of group rank 0, which hosts the workers'
+  TCPStore of the round.
+
+Before every measurement the job runs ``STEADY_STEPS`` steps at the expected size and every live node agrees
+on its group rank. Every wait has a timeout; a system that does not reach the new size within
+``RECOVERY_TIMEOUT_S`` is reported as "did not recover". Besides the headline number, each sample records when
+the phases of the recovery ended (failure detected, rendezvous complete, workers started, worker ready, first
+step), from the daemons' JSON events (elasticd) or torch's log lines (torchrun, run with ``LOGLEVEL=INFO``).
+
+    python bench/recovery.py [--trials 3] [--only elasticd|torchrun] [--json OUT] [--logs DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/recovery.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    BenchTimeout,
+    Launcher,
+    Node,
+    code_revision,
+    free_port,
+    glog_to_unix,
+    iso_to_unix,
+    listening_on,
+    snapshot_code,
+    wait_for_quiet,
+    wait_until,
+)
+from elasticd.etcd.server import EmbeddedEtcd
+
+MIN_NODES, MAX_NODES = 2, 3
+# 50 ms of stand-in compute per step; 1000 epochs of 100 steps are never reached: every trial ends in a kill.
+SCRIPT_ARGS = ("--sleep", "0.05", "--epochs", "1000")
+# A committed checkpoint every this many steps, for both systems (a restart resumes from the newest one).
+CHECKPOINT_EVERY_STEPS = 10
+# Steps at the expected size before a measurement (each ~0.06-0.1 s here).
+STEADY_STEPS = 10
+# The first round: process start, imports and, for torchrun, its 30 s last call with 2 of 3 nodes (s).
+STARTUP_TIMEOUT_S = 180.0
+# A system that has not trained at the new size this long after the fault did not recover (s).
+RECOVERY_TIMEOUT_S = 120.0
+# Reaching steady state after a measurement that succeeded (s); generous for a loaded 2-core machine.
+STEADY_TIMEOUT_S = 120.0
+# Before a trial, wait up to this long for other jobs on the machine to finish (s).
+QUIET_TIMEOUT_S = 180.0
+# The first torchrun node binds the c10d rendezvous store within this (s).
+STORE_HOST_TIMEOUT_S = 60.0
+# Targets from the issue: seconds, and torchrun/elasticd as a factor.
+TARGET_NODE_LOSS_S, TARGET_RATIO, TARGET_JOIN_S = 10.0, 4.0, 8.0
+
+SYSTEMS = ("elasticd", "torchrun")
+
+
+class Scenario(StrEnum):
+    JOIN = "join"
+    NODE_LOSS = "node_loss"
+    NODE_LOSS_RANK0 = "node_loss_rank0"
+
+    @property
+    def label(self) -> str:
+        return {
+            Scenario.JOIN: "join (2 -> 3 nodes)",
+            Scenario.NODE_LOSS: "node loss (3 -> 2)",
+            Scenario.NODE_LOSS_RANK0: "node loss, rank-0 node",
+        }[self]
+
+
+# Run in this order within one trial: join needs 2 nodes, which is how a job starts.
+SCENARIOS = {
+    "elasticd": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0),
+    "torchrun": (Scenario.JOIN, Scenario.NODE_LOSS),
+}
+
+
+@dataclass
+class Sample:
+    system: str
+    scenario: str
+    trial: int
+    seconds: float | None  # None: not at the new size within the timeout, or never measured (see note)
+    note: str = ""
+    victim: str = ""
+    victim_group_rank: int | None = None
+    # Seconds after the kill (or the join) at which each phase had ended on every node involved.
+    milestones: dict[str, float] = field(default_factory=dict)
+    # elasticd only: the daemons' own figures (rendezvous duration_s, recovered recovery_s), max over nodes.
+    daemon: dict[str, float] = field(default_factory=dict)
+    # The machine's 1-minute load average at the fault: the job itself accounts for ~3 on 2 cores; much more
+    # means something else was running (the figures are then slower than they should be).
+    load_1m: float = 0.0
+    # CPU use of the machine (percent) just before the trial's job started; ours alone is ~0.
+    cpu_busy_before_pct: float = 0.0
+
+
+# -- the two systems -----------------------------------------------------------------------------------------
+
+
+class Job:
+    """One run of the 3-node job under one system; subclasses say how a node is started and read."""
+
+    system = ""
+
+    def __init__(self, launcher: Launcher, run_id: str, checkpoint_dir: Path, script: Path) -> None:
+        self.launcher = launcher
+        self.run_id = run_id
+        self.checkpoint_dir = checkpoint_dir
+        self.script = script
+
+    def command(self, name: str) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str]:
+        return {}
+
+    def start_node(self, name: str | None = None) -> Node:
+        name = name or f"n{len(self.launcher.nodes)}"
+        return self.launcher.start(name, self.command(name), self.env())
+
+    def start_initial(self) -> None:
+        """The job's first ``MIN_NODES`` nodes."""
+        for _ in range(MIN_NODES):
+            self.start_node()
+
+    def last_group_rank(self, node: Node) -> tuple[int, int, int] | None:
+        """(round or 0, group rank, world size) of the node's last completed rendezvous."""
+        raise NotImplementedError
+
+    def phase_times(self, node: Node, t0: float, t1: float) -> dict[str, list[float]]:
+        """Unix times of the node's phase ends in (t0, t1]: 'detected', 'rendezvous', 'workers_started'."""
+        raise NotImplementedError
+
+    def killable(self, name: str) -> bool:
+        return True
+
+    def daemon_figures(self, node: Node, t0: float, t1: float) -> dict[str, float]:
+        return {}
+
+    def group_ranks(self, size: int) -> dict[str, int] | None:
+        """Group rank of every live node, once ``size`` live nodes agree they form one round of that size."""
+        live = self.launcher.live()
+        if len(live) != size:
+            return None
+        last = {n.name: self.last_group_rank(n) for n in live}
+        if any(v is None or v[2] != size for v in last.values()):
+            return None
+        if len({v[0] for v in last.values() if v is not None}) != 1:
+            return None
+        ranks = {name: v[1] for name, v in last.items() if v is not None}
+        return ranks if sorted(ranks.values()) == list(range(size)) else None
+
+
+class ElasticdJob(Job):
+    """``python -m elasticd start`` per node, against one etcd; the daemon logs JSON events to stderr."""
+
+    system = "elasticd"
+
+    def __init__(self, launcher: Launcher, run_id: str, checkpoint_dir: Path, script: Path, etcd: str) -> None:
+        super().__init__(launcher, run_id, checkpoint_dir, script)
+        self.etcd = etcd
+
+    def command(self, name: str) -> list[str]:
+        return [
+            sys.executable, "-m", "elasticd", "start",
+            "--etcd", self.etcd, "--run-id", self.run_id, "--node-id", name, "--local-addr", "127.0.0.1",
+            "--min-nodes", str(MIN_NODES), "--max-nodes", str(MAX_NODES), "--nproc-per-node", "1",
+            "--metrics-port", "0", "--log-format", "json", "--checkpoint-dir", str(self.checkpoint_dir),
+            "--checkpoint-every-steps", str(CHECKPOINT_EVERY_STEPS), str(self.script), *SCRIPT_ARGS,
+        ]  # fmt: skip
+
+    def last_group_rank(self, node: Node) -> tuple[int, int, int] | None:
+        done = node.events("rendezvous_done")
+        if not done:
+            return None
+        e = done[-1]
+        return int(e.get("round") or 0), int(e["group_rank"]), int(e["world_size"])
+
+    def phase_times(self, node: Node, t0: float, t1: float) -> dict[str, list[float]]:
+        names = {"detected": "restart", "rendezvous": "rendezvous_done", "workers_started": "workers_started"}
+        return {phase: _event_times(node, event, t0, t1) for phase, event in names.items()}
+
+    def daemon_figures(self, node: Node, t0: float, t1: float) -> dict[str, float]:
+        figures = {}
+        for event, key in (("rendezvous_done", "duration_s"), ("recovered", "recovery_s")):
+            values = [e[key] for e in node.events(event) if key in e and t0 < _stamp(e) <= t1 + 5.0]
+            if values:
+                figures[f"{event}.{key}"] = float(values[0] if event == "recovered" else values[-1])
+        return figures
+
+
+class TorchrunJob(Job):
+    """Plain torchrun per node, c10d rendezvous; the first node hosts its store and is never killed."""
+
+    system = "torchrun"
+    _COMPLETE = "Rendezvous complete for workers"
+    _RESTART = "will restart worker group"
+    _FIELD = re.compile(r"^\s*(group_rank|group_world_size)=(\d+)\s*$")
+
+    def __init__(self, launcher: Launcher, run_id: str, checkpoint_dir: Path, script: Path) -> None:
+        super().__init__(launcher, run_id, checkpoint_dir, script)
+        self.port = free_port()
+        self.host_name = ""
+
+    def command(self, name: str) -> list[str]:
+        return [
+            sys.executable, "-m", "torch.distributed.run",
+            "--nnodes", f"{MIN_NODES}:{MAX_NODES}", "--nproc-per-node", "1",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+            "--max-restarts", "10", "--monitor-interval", "0.1", "--local-addr", "127.0.0.1",
+            str(self.script), *SCRIPT_ARGS,
+        ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        # Without it torchrun never recovers from losing a node (pytorch#135712). LOGLEVEL=INFO only makes
+        # torch log its rendezvous and restarts, which is where the phase times come from. The ELASTICD_* ones
+        # give the worker library (daemon-free here) the checkpoint dir and cadence elasticd's workers get.
+        return {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "LOGLEVEL": "INFO",
+            "ELASTICD_CHECKPOINT_DIR": str(self.checkpoint_dir),
+            "ELASTICD_RUN_ID": self.run_id,
+            "ELASTICD_CHECKPOINT_EVERY_STEPS": str(CHECKPOINT_EVERY_STEPS),
+        }
+
+    def start_initial(self) -> None:
+        # The first node binds the rendezvous store; started alone, it is the host for certain.
+        host = self.start_node()
+        self.host_name = host.name
+        wait_until(
+            lambda: listening_on(host, self.port) or _exited(host),
+            STORE_HOST_TIMEOUT_S,
+            f"torchrun {host.name} to listen on {self.port}",
+        )
+        if not host.alive:
+            raise BenchTimeout(f"torchrun {host.name} exited {host.proc.returncode}:\n{host.tail()}")
+        self.start_node()
+
+    def killable(self, name: str) -> bool:
+        return name != self.host_name
+
+    def _rounds(self, node: Node) -> list[tuple[float, int, int]]:
+        """(unix time, group rank, group world size) of each 'Rendezvous complete' block in the node's log."""
+        rounds: list[tuple[float, int, int]] = []
+        current: dict[str, int] = {}
+        started = 0.0
+        for line in node.err_lines:
+            parsed = glog_to_unix(line)
+            if parsed is None:
+                continue
+            stamp, message = parsed
+            if self._COMPLETE in message:
+                started, current = stamp, {}
+            elif (match := self._FIELD.match(message)) and started:
+                current[match.group(1)] = int(match.group(2))
+                if len(current) == 2:
+                    rounds.append((started, current["group_rank"], current["group_world_size"]))
+                    started, current = 0.0, {}
+        return rounds
+
+    def last_group_rank(self, node: Node) -> tuple[int, int, int] | None:
+        rounds = self._rounds(node)
+        # c10d's round number is not logged; agreement on size and distinct ranks is checked by the caller.
+        return (0, rounds[-1][1], rounds[-1][2]) if rounds else None
+
+    def phase_times(self, node: Node, t0: float, t1: float) -> dict[str, list[float]]:
+        detected = []
+        for line in node.err_lines:
+            parsed = glog_to_unix(line)
+            if parsed and self._RESTART in parsed[1] and t0 < parsed[0] <= t1:
+                detected.append(parsed[0])
+        rendezvous = [t for t, _, _ in self._rounds(node) if t0 < t <= t1]
+        return {"detected": detected, "rendezvous": rendezvous}
+
+
+def _stamp(event: dict[str, Any]) -> float:
+    return iso_to_unix(event["timestamp"]) if "timestamp" in event else 0.0
+
+
+def _event_times(node: Node, event: str, t0: float, t1: float) -> list[float]:
+    return [t for t in (_stamp(e) for e in node.events(event)) if t0 < t <= t1]
+
+
+def _exited(node: Node) -> bool:
+    return node.proc.poll() is not None
+
+
+# -- waiting and measuring -----------------------------------------------------------------------------------
+
+
+def steps_at(job: Job, size: int, after: float) -> list[dict[str, Any]]:
+    """Step lines of any node at world size ``size`` with ``t`` after ``after`` (unix s), oldest first."""
+    found = [
+        r
+        for n in job.launcher.nodes.values()
+        for r in n.out_records
+        if r.get("event") == "step" and r.get("world_size") == size and float(r.get("t", 0)) > after
+    ]
+    return sorted(found, key=lambda r: float(r["t"]))
+
+
+def wait_steady(job: Job, size: int, since: float, timeout_s: float = STEADY_TIMEOUT_S) -> dict[str, int]:
+    """Wait for ``STEADY_STEPS`` steps at ``size`` after ``since`` and agreed group ranks; return the ranks."""
+
+    def steady() -> dict[str, int] | None:
+        job.launcher.refresh()
+        if len(steps_at(job, size, since)) < STEADY_STEPS:
+            return None
+        return job.group_ranks(size)
+
+    return wait_until(steady, timeout_s, f"{job.system}: {STEADY_STEPS} steps at world size {size}")
+
+
+def first_step_at(job: Job, size: int, after: float) -> dict[str, Any] | None:
+    """The first step line at ``size`` after ``after``, or None when none comes within RECOVERY_TIMEOUT_S."""
+
+    def first() -> dict[str, Any] | None:
+        job.launcher.refresh()
+        steps = steps_at(job, size, after)
+        return steps[0] if steps else None
+
+    try:
+        return wait_until(first, RECOVERY_TIMEOUT_S, f"a step at world size {size}", poll_s=0.1)
+    except BenchTimeout:
+        return None
+
+
+def milestones(job: Job, size: int, t0: float, t1: float) -> tuple[dict[str, float], dict[str, float]]:
+    """Phase ends in seconds after ``t0`` (detection: first node; the rest: last node), and daemon figures."""
+    live = job.launcher.live()
+    per_phase: dict[str, list[float]] = {}
+    figures: dict[str, float] = {}
+    for node in live:
+        for phase, times in job.phase_times(node, t0, t1).items():
+            if times:
+                # Detection is the first restart seen; the other phases end with the last of the round.
+                per_phase.setdefault(phase, []).append(times[0] if phase == "detected" else times[-1])
+        for key, value in job.daemon_figures(node, t0, t1).items():
+            figures[key] = max(value, figures.get(key, value))
+    result = {p: (min(ts) if p == "detected" else max(ts)) - t0 for p, ts in per_phase.items()}
+    ready = [
+        float(r["t"])
+        for n in job.launcher.nodes.values()
+        for r in n.out_records
+        if r.get("event") == "start" and r.get("world_size") == size and t0 < float(r["t"]) <= t1
+    ]
+    if ready:
+        result["worker_ready"] = max(ready) - t0
+    result["first_step"] = t1 - t0
+    return {k: round(v, 3) for k, v in result.items()}, figures
+
+
+def measure(job: Job, trial: int, scenario: Scenario, size_after: int, t0: float, victim: Node | None) -> Sample:
+    """The sample of a fault or join that happened at ``t0`` (unix s)."""
+    step = first_step_at(job, size_after, t0)
+    sample = Sample(job.system, scenario.value, trial, None, load_1m=round(os.getloadavg()[0], 2))
+    if victim is not None:
+        sample.victim = victim.name
+        last = job.last_group_rank(victim)
+        sample.victim_group_rank = last[1] if last else None
+    if step is None:
+        sample.note = f"did not recover within {RECOVERY_TIMEOUT_S:g} s"
+        return sample
+    t1 = float(step["t"])
+    sample.seconds = round(t1 - t0, 3)
+    sample.milestones, sample.daemon = milestones(job, size_after, t0, t1)
+    return sample
+
+
+def measure_join(job: Job, trial: int) -> Sample:
+    wait_steady(job, MIN_NODES, since=0.0, timeout_s=STARTUP_TIMEOUT_S)
+    joiner = job.start_node()
+    return measure(job, trial, Scenario.JOIN, MAX_NODES, joiner.started_at, None)
+
+
+def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
+    for _ in range(MAX_NODES - len(job.launcher.live())):
+        job.start_node()
+    ranks = wait_steady(job, MAX_NODES, since=time.time())
+    if scenario is Scenario.NODE_LOSS_RANK0:
+        name = next(n for n, r in ranks.items() if r == 0)
+    else:
+        name = max((n for n in ranks if job.killable(n)), key=lambda n: ranks[n])
+    victim = job.launcher.nodes[name]
+    t0 = victim.kill()
+    sample = measure(job, trial, scenario, MIN_NODES, t0, victim)
+    if sample.seconds is not None:
+        wait_steady(job, MIN_NODES, since=t0)
+    return sample
+
+
+def measure_scenario(job: Job, trial: int, scenario: Scenario) -> Sample:
+    if scenario is Scenario.JOIN:
+        return measure_join(job, trial)
+    return measure_node_loss(job, trial, scenario)
+
+
+def run_trial(job: Job, trial: int, scenarios: Sequence[Scenario]) -> list[Sample]:
+    """Every scenario of one trial on one job; after a failure the rest are reported as not measured."""
+    samples: list[Sample] = []
+    try:
+        job.start_initial()
+        for scenario in scenarios:
+            sample = measure_scenario(job, trial, scenario)
+            samples.append(sample)
+            _progress(sample)
+            if sample.seconds is None:
+                break
+    except BenchTimeout as exc:
+        reason = str(exc)
+    else:
+        reason = "an earlier scenario of this trial did not recover"
+    done = {s.scenario for s in samples}
+    for scenario in scenarios:
+        if scenario.value not in done:
+            samples.append(Sample(job.system, scenario.value, trial, None, note=f"not measured: {reason}"))
+            _progress(samples[-1])
+    return samples
+
+
+def run_system_trial(system: str, trial: int, workdir: Path, code: Path) -> list[Sample]:
+    """One trial of one system with its own etcd (elasticd) or port (torchrun), run id and checkpoint dir.
+
+    ``code`` is a :func:`snapshot_code` copy: every node imports elasticd from it and runs its train.py."""
+    trial_dir = workdir / f"{system}-{trial}"
+    run_id = f"bench-{system}-{trial}-{uuid.uuid4().hex[:6]}"
+    busy = wait_for_quiet(QUIET_TIMEOUT_S)
+    print(f"[{system} trial {trial}] starting; machine CPU busy {busy:.0f}% just before", file=sys.stderr)
+    script = code / "examples" / "train.py"
+    with ExitStack() as stack:
+        launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
+        job: Job
+        if system == "elasticd":
+            # fsync on, as a production etcd runs: the rendezvous writes pay their real cost.
+            etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", unsafe_no_fsync=False)
+            etcd.start(ready_timeout_s=30.0)
+            stack.callback(etcd.stop)
+            job = ElasticdJob(launcher, run_id, trial_dir / "checkpoints", script, etcd.endpoint)
+        else:
+            job = TorchrunJob(launcher, run_id, trial_dir / "checkpoints", script)
+        # Unwinds first: every node is dead before etcd stops, so no daemon sees etcd go.
+        stack.callback(launcher.close)
+        samples = run_trial(job, trial, SCENARIOS[system])
+        for sample in samples:
+            sample.cpu_busy_before_pct = round(busy, 1)
+        if any(s.seconds is None for s in samples):
+            (trial_dir / "diagnostics.txt").write_text(
+                "\n".join(f"===== {n.name}\n{n.tail(60)}" for n in launcher.nodes.values())
+            )
+        return samples
+
+
+def _progress(sample: Sample) -> None:
+    took = f"{sample.seconds:.2f} s" if sample.seconds is not None else sample.note
+    phases = " ".join(f"{k}={v:.2f}" for k, v in sample.milestones.items())
+    print(
+        f"[{sample.system} trial {sample.trial}] {sample.scenario}: {took}  {phases}  load={sample.load_1m}",
+        file=sys.stderr,
+    )
+
+
+# -- the report ----------------------------------------------------------------------------------------------
+
+
+def median_s(samples: Sequence[Sample]) -> float | None:
+    """Median seconds; a sample that did not recover counts as infinitely slow. None without samples."""
+    values = [s.seconds if s.seconds is not None else math.inf for s in samples]
+    return statistics.median(values) if values else None
+
+
+def fmt_s(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"> {RECOVERY_TIMEOUT_S:g}" if math.isinf(value) else f"{value:.1f}"
+
+
+def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """One row per scenario: each system's median and samples, ratio torchrun/elasticd, target verdict."""
+    rows = []
+    for scenario in Scenario:
+        row: dict[str, Any] = {"scenario": scenario.value}
+        for system in SYSTEMS:
+            mine = [s for s in samples if s.system == system and s.scenario == scenario.value]
+            if mine:
+                row[system] = {
+                    "median_s": median_s(mine),
+                    "unrecovered": sum(s.seconds is None for s in mine),
+                    "samples_s": [s.seconds for s in mine],
+                    "phase_medians_s": phase_medians(mine),
+                }
+        e, t = row.get("elasticd", {}).get("median_s"), row.get("torchrun", {}).get("median_s")
+        row["ratio_torchrun_over_elasticd"] = t / e if e and t is not None and not math.isinf(e) else None
+        row["target"] = verdict(scenario, e, row["ratio_torchrun_over_elasticd"])
+        if any(system in row for system in SYSTEMS):
+            rows.append(row)
+    return rows
+
+
+def phase_medians(samples: Sequence[Sample]) -> dict[str, float]:
+    keys = sorted({k for s in samples for k in s.milestones}, key=_PHASE_ORDER.index)
+    return {k: round(statistics.median(s.milestones[k] for s in samples if k in s.milestones), 2) for k in keys}
+
+
+_PHASE_ORDER = ["detected", "rendezvous", "workers_started", "worker_ready", "first_step"]
+
+
+def verdict(scenario: Scenario, elasticd_s: float | None, ratio: float | None) -> str:
+    if elasticd_s is None:
+        return ""
+    if scenario is Scenario.JOIN:
+        return f"<= {TARGET_JOIN_S:g} s: " + ("met" if elasticd_s <= TARGET_JOIN_S else "MISSED")
+    if scenario is Scenario.NODE_LOSS:
+        fast = elasticd_s <= TARGET_NODE_LOSS_S
+        # An unrecovered torchrun makes the ratio infinite, which meets the target.
+        ratio_ok = ratio is not None and ratio >= TARGET_RATIO
+        return f"<= {TARGET_NODE_LOSS_S:g} s: {'met' if fast else 'MISSED'}; >= {TARGET_RATIO:g}x: " + (
+            "met" if ratio_ok else "MISSED" if ratio is not None else "n/a"
+        )
+    return ""
+
+
+def render(rows: Sequence[dict[str, Any]]) -> str:
+    """A plain-text table of the summary, then each system's median phase ends."""
+    head = ["scenario", "elasticd s", "samples", "torchrun s", "samples", "torchrun/elasticd", "target"]
+    body = []
+    for row in rows:
+        cells = [Scenario(row["scenario"]).label]
+        for system in SYSTEMS:
+            data = row.get(system)
+            cells += [fmt_s(data["median_s"]), _samples(data["samples_s"])] if data else ["n/a", ""]
+        ratio = row["ratio_torchrun_over_elasticd"]
+        cells += ["-" if ratio is None else "inf" if math.isinf(ratio) else f"{ratio:.1f}x", row["target"]]
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append("median phase ends, s after the kill / the join start:")
+    for row in rows:
+        for system in SYSTEMS:
+            if data := row.get(system):
+                phases = ", ".join(f"{k} {v:.2f}" for k, v in data["phase_medians_s"].items())
+                lines.append(f"  {Scenario(row['scenario']).label:<24} {system:<9} {phases}")
+    return "\n".join(lines)
+
+
+def _samples(values: Sequence[float | None]) -> str:
+    return ", ".join("x" if v is None else f"{v:.1f}" for v in values)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "accelerate": version("accelerate"),
+        "backend": "gloo (CPU)",
+    }
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=3, help="trials per system (default 3); reports the median")
+    p.add_argument("--only", choices=SYSTEMS, help="run one system only")
+    p.add_argument("--json", type=Path, help="also write every sample and the summary to this JSON file")
+    p.add_argument(
+        "--logs", type=Path, help="keep every node's stdout/stderr here (default: a temp dir, kept on a failure)"
+    )
+    args = p.parse_args(argv)
+    if args.trials < 1:
+        p.error("--trials must be at least 1")
+    return args
+
+
+def preflight(code: Path) -> str | None:
+    """Why the copied code cannot run this benchmark's job (a flag the script or the daemon lacks), or None."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    checks = [
+        ([str(code / "examples" / "train.py"), "--help"], [a for a in SCRIPT_ARGS if a.startswith("--")]),
+        (["-m", "elasticd", "start", "--help"], ["--checkpoint-every-steps", "--checkpoint-dir"]),
+    ]
+    for command, flags in checks:
+        done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
+        missing = [f for f in flags if f not in done.stdout]
+        if done.returncode != 0 or missing:
+            what = " ".join(command[:3]).replace(str(code) + "/", "")
+            return (
+                f"`{what}` lacks {', '.join(missing) or 'nothing'} (exit {done.returncode}): update bench/recovery.py"
+            )
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [args.only] if args.only else list(SYSTEMS)
+    workdir = args.logs or Path(tempfile.mkdtemp(prefix="elasticd-bench-recovery-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    revision = code_revision()
+    code = snapshot_code(workdir / "code")
+    if (problem := preflight(code)) is not None:
+        print(f"bench/recovery.py: {problem}", file=sys.stderr)
+        return 2
+    # SIGTERM unwinds like Ctrl-C, so every process tree and etcd started so far is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = time.time()
+    samples: list[Sample] = []
+    try:
+        # Trials alternate between systems, so a slow spell of the machine does not land on one system only.
+        for trial in range(1, args.trials + 1):
+            for system in systems:
+                samples += run_system_trial(system, trial, workdir, code)
+    except KeyboardInterrupt:
+        print(f"interrupted; node logs: {workdir}", file=sys.stderr)
+        return 130
+    rows = summarize(samples)
+    print(render(rows))
+    failed = any(s.seconds is None for s in samples)
+    if args.json:
+        report = {
+            "command": ["python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])],
+            "machine": machine(),
+            "code": revision,
+            "config": {
+                "script_args": list(SCRIPT_ARGS),
+                "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
+                "min_nodes": MIN_NODES,
+                "max_nodes": MAX_NODES,
+                "steady_steps": STEADY_STEPS,
+                "recovery_timeout_s": RECOVERY_TIMEOUT_S,
+                "trials": args.trials,
+            },
+            "duration_s": round(time.time() - started, 1),
+            "summary": rows,
+            "samples": [asdict(s) for s in samples],
+        }
+        args.json.write_text(json.dumps(_finite(report), indent=2) + "\n")
+    if args.logs is None and not failed:
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        print(f"node logs: {workdir}", file=sys.stderr)
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with each infinite float (median or ratio over an unrecovered sample) as null: strict JSON."""
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

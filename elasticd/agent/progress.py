@@ -1,0 +1,104 @@
+"""Beats into figures: metrics, the registry's last step, recovery time and lost steps.
+
+:meth:`ProgressTracker.on_beat` runs on the beat receiver's thread for every beat of every local worker. The
+supervisor tells it when a fault happened (:meth:`fault`) so that the first step after the restart closes a
+recovery measurement, and how far training had got (``last_step``) so that the step the workers resume from tells
+how many steps were lost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elasticd.agent.registry import NodeRegistry
+from elasticd.agent.reports import WorkerReports
+from elasticd.metrics import Metrics
+
+# Seconds between registry writes of the last step: status stays fresh without one etcd put per step.
+REGISTRY_STEP_INTERVAL_S = 2.0
+
+
+class ProgressTracker:
+    def __init__(
+        self,
+        metrics: Metrics,
+        registry: NodeRegistry,
+        reports: WorkerReports,
+        log: Callable[[], Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._metrics = metrics
+        self._registry = registry
+        self.reports = reports
+        self._log = log
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._fault_at: float | None = None
+        self._step_before_fault: int | None = None
+        self._registry_written = -REGISTRY_STEP_INTERVAL_S
+        self._started = clock()
+        self._productive_s = 0.0
+
+    def fault(self) -> None:
+        """A restart begins: the recovery clock starts, and the last step reached is remembered."""
+        with self._lock:
+            if self._fault_at is None:
+                self._fault_at = self._clock()
+            self._step_before_fault = self.reports.last_step
+
+    def on_beat(self, beat: dict[str, Any]) -> None:
+        self.reports.on_beat(beat)
+        kind = beat.get("kind")
+        m = self._metrics
+        if kind == "step" and isinstance(beat.get("step"), int):
+            self._on_step(beat)
+        elif kind == "resumed" and beat.get("local_rank", 0) == 0:
+            with self._lock:
+                before, self._step_before_fault = self._step_before_fault, None
+            if before is not None and isinstance(beat.get("step"), int) and before > beat["step"]:
+                m.lost_steps_total.inc(before - beat["step"])
+        elif kind == "nonfinite" and beat.get("local_rank", 0) == 0:
+            action = str(beat.get("action"))
+            if action in ("skip", "rollback", "stop"):
+                m.nonfinite_steps_total.labels(action=action).inc()
+        elif kind == "fatal" and beat.get("reason") == "nan" and beat.get("local_rank", 0) == 0:
+            m.nonfinite_steps_total.labels(action="stop").inc()
+        elif kind == "checkpoint_committed":
+            m.checkpoint_last_step.set(int(beat.get("step", 0)))
+            m.checkpoint_last_success_timestamp_seconds.set(float(beat.get("ts", time.time())))
+            for phase, key in (("blocking", "blocking_s"), ("total", "total_s")):
+                if isinstance(beat.get(key), int | float):
+                    m.checkpoint_duration_seconds.labels(phase=phase).observe(beat[key])
+        elif kind == "checkpoint_failed":
+            m.checkpoint_failures_total.inc()
+
+    def _on_step(self, beat: dict[str, Any]) -> None:
+        m = self._metrics
+        step = beat["step"]
+        m.training_step.set(step)
+        m.last_progress_timestamp_seconds.set(float(beat.get("ts", time.time())))
+        if isinstance(beat.get("loss"), int | float):
+            m.training_loss.set(beat["loss"])
+        if isinstance(beat.get("samples"), int) and beat["samples"] > 0:
+            m.training_samples_total.inc(beat["samples"])
+        now = self._clock()
+        # Every local rank times the same optimizer step; one sample per node keeps the histogram a node's view.
+        if beat.get("local_rank", 0) == 0 and isinstance(beat.get("step_time_s"), int | float):
+            m.step_duration_seconds.observe(beat["step_time_s"])
+            with self._lock:
+                self._productive_s += float(beat["step_time_s"])
+                m.goodput_ratio.set(min(1.0, self._productive_s / max(now - self._started, 1e-9)))
+        with self._lock:
+            fault_at, self._fault_at = self._fault_at, None
+            write = now - self._registry_written >= REGISTRY_STEP_INTERVAL_S
+            if write:
+                self._registry_written = now
+        if fault_at is not None:
+            recovery_s = now - fault_at
+            m.recovery_duration_seconds.observe(recovery_s)
+            self._log().info("recovered", step=step, recovery_s=round(recovery_s, 3))
+        if write:
+            self._registry.update(last_step=step)

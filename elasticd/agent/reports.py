@@ -1,0 +1,81 @@
+"""What this node's workers told the daemon through their beats, per worker generation.
+
+The beat receiver thread feeds :meth:`WorkerReports.on_beat`; the supervisor loop reads the answers: do all local
+workers speak the checkpoint-request protocol (``hello``), have they all saved the checkpoint a planned change waits
+for (``checkpoint_saved``), did one of them give up for good (``fatal``). :meth:`reset` starts a new generation
+whenever the group is (re)started, so nothing from a previous generation is mistaken for an answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Fatal:
+    reason: str
+    message: str
+    exit_code: int
+
+
+class WorkerReports:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._local_ranks: set[int] = set()
+        self._capable: set[int] = set()
+        self._saved: dict[int, int] = {}
+        self._fatal: Fatal | None = None
+        self.last_step: int | None = None
+        self.resumed_step: int | None = None
+
+    def reset(self, local_ranks: set[int]) -> None:
+        with self._lock:
+            self._local_ranks = set(local_ranks)
+            self._capable.clear()
+            self._saved.clear()
+            self._fatal = None
+            self.resumed_step = None
+
+    def on_beat(self, beat: dict[str, Any]) -> None:
+        kind = beat.get("kind")
+        local_rank = int(beat.get("local_rank", 0))
+        with self._lock:
+            if kind == "hello" and "checkpoint_request" in (beat.get("capabilities") or []):
+                self._capable.add(local_rank)
+            elif kind == "checkpoint_saved" and beat.get("requested"):
+                self._saved[local_rank] = int(beat.get("step", 0))
+            elif kind == "fatal" and self._fatal is None:
+                self._fatal = Fatal(
+                    str(beat.get("reason", "")), str(beat.get("message", "")), int(beat.get("exit_code", 1))
+                )
+            elif kind == "step" and isinstance(beat.get("step"), int):
+                self.last_step = beat["step"]
+            elif kind == "resumed" and isinstance(beat.get("step"), int):
+                self.resumed_step = beat["step"]
+
+    def all_capable(self) -> bool:
+        with self._lock:
+            return bool(self._local_ranks) and self._local_ranks <= self._capable
+
+    def all_saved(self) -> bool:
+        with self._lock:
+            return bool(self._local_ranks) and self._local_ranks <= set(self._saved)
+
+    def any_saved(self) -> bool:
+        with self._lock:
+            return bool(self._saved)
+
+    def saved_step(self) -> int | None:
+        with self._lock:
+            return max(self._saved.values()) if self._saved else None
+
+    def clear_saved(self) -> None:
+        with self._lock:
+            self._saved.clear()
+
+    @property
+    def fatal(self) -> Fatal | None:
+        with self._lock:
+            return self._fatal

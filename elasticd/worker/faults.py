@@ -1,0 +1,119 @@
+"""Deterministic fault injection for tests (a testing aid, documented in docs/testing.md; never set it in production).
+
+``ELASTICD_FAULT`` holds ``;``-separated faults, each ``KIND@key=value,...``::
+
+    nan@step=40,rank=1            the loss of rank 1 at step 40 becomes NaN (once)
+    nan@step=40-                  every rank, every step from 40 on (persistent NaN)
+    kill@step=30,rank=0           rank 0 kills itself with SIGKILL when step 30 completes
+    kill@checkpoint=20,rank=0     rank 0 kills itself while writing the checkpoint of step 20
+    sleep@step=12,rank=1          rank 1 stops forever before step 12 (a hang inside the next collective)
+    slow@rank=1,seconds=0.2       rank 1 sleeps 0.2 s every step (a straggler)
+
+``round=N`` limits a fault to the workers of rendezvous round N (``ELASTICD_ROUND``), so a fault does not repeat after
+the restart it causes; ``restart=N`` does the same with torchrun's ``TORCHELASTIC_RESTART_COUNT``.
+Faults come from the environment so that tests inject them into real worker processes (after torchft's
+``fail_at(rank, step)``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from elasticd import envvars
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    first_step: int | None = None
+    last_step: int | None = None  # None with first_step set: only that step; -1: open-ended
+    checkpoint: int | None = None
+    rank: int | None = None
+    round: int | None = None
+    restart: int | None = None
+    seconds: float = 0.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def covers(self, step: int) -> bool:
+        if self.first_step is None:
+            return True
+        if self.last_step == -1:
+            return step >= self.first_step
+        return step == self.first_step
+
+
+class FaultInjector:
+    """The faults that apply to this process (rank, round and restart already matched)."""
+
+    def __init__(self, faults: list[Fault], rank: int) -> None:
+        self.rank = rank
+        self.faults = faults
+
+    @classmethod
+    def from_env(cls, rank: int) -> FaultInjector:
+        text = os.environ.get(envvars.FAULT, "")
+        round_ = int(os.environ.get(envvars.ROUND, "-1"))
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
+        mine = [
+            f
+            for f in parse_faults(text)
+            if (f.rank is None or f.rank == rank)
+            and (f.round is None or f.round == round_)
+            and (f.restart is None or f.restart == restart)
+        ]
+        return cls(mine, rank)
+
+    def _of(self, kind: str) -> list[Fault]:
+        return [f for f in self.faults if f.kind == kind]
+
+    def nan_at(self, step: int) -> bool:
+        return any(f.covers(step) for f in self._of("nan"))
+
+    def before_step(self, step: int) -> None:
+        """Called before the micro-batches of ``step``: hangs and stragglers."""
+        for f in self._of("sleep"):
+            if f.covers(step):
+                while True:  # a rank that stops making progress; the watchdog must find it
+                    time.sleep(3600)
+        for f in self._of("slow"):
+            if f.covers(step):
+                time.sleep(f.seconds)
+
+    def after_step(self, step: int) -> None:
+        if any(f.covers(step) for f in self._of("kill") if f.checkpoint is None):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def during_checkpoint(self, step: int) -> None:
+        if any(f.checkpoint == step for f in self._of("kill")):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(";"))):
+        kind, _, spec = item.partition("@")
+        values = dict(kv.split("=", 1) for kv in filter(None, spec.split(",")) if "=" in kv)
+        first = last = None
+        if "step" in values:
+            raw = values.pop("step")
+            if raw.endswith("-"):
+                first, last = int(raw[:-1]), -1
+            else:
+                first = int(raw)
+        faults.append(
+            Fault(
+                kind=kind.strip(),
+                first_step=first,
+                last_step=last,
+                checkpoint=int(values.pop("checkpoint")) if "checkpoint" in values else None,
+                rank=int(values.pop("rank")) if "rank" in values else None,
+                round=int(values.pop("round")) if "round" in values else None,
+                restart=int(values.pop("restart")) if "restart" in values else None,
+                seconds=float(values.pop("seconds", "0")),
+                extra=values,
+            )
+        )
+    return faults

@@ -1,0 +1,106 @@
+"""The non-finite guard: a non-finite gradient never reaches the parameters, and repeats escalate by policy.
+
+The check sits in the optimizer's ``step`` (installed by :meth:`NonFiniteGuard.install`) and looks at the gradients
+after DDP has averaged them. A NaN loss on any rank makes every rank's averaged gradient non-finite, so every rank
+reaches the same verdict without a collective of its own. A skipped step also marks accelerate's optimizer as
+skipped, so the LR scheduler does not advance. With fp16 the ``GradScaler`` already skips overflowing steps; those
+are counted apart (``overflow``) unless the gradients hold a NaN, which an overflow does not produce.
+
+Escalation (``--on-nan``), decided by :meth:`NonFiniteGuard.verdict` from counts every rank shares:
+``skip`` skips forever (stopping after :data:`SKIP_ONLY_LIMIT` in a row), ``rollback`` skips up to
+``skips_before_rollback`` in a row then rolls back to the last checkpoint, stepping past the bad batches, and stops
+after ``max_rollbacks`` rollbacks without a finite step in between; ``stop`` stops at the first one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+# With --on-nan skip a run that never produces a finite step again is stuck; stop it rather than burn the cluster.
+SKIP_ONLY_LIMIT = 100
+
+
+class Verdict(StrEnum):
+    OK = "ok"
+    SKIPPED = "skip"
+    OVERFLOW = "overflow"  # fp16 loss-scaler skip: not a non-finite event
+    ROLLBACK = "rollback"
+    STOP = "stop"
+
+
+@dataclass(slots=True)
+class _Counts:
+    consecutive: int = 0
+    rollbacks_without_progress: int = 0
+
+
+def grads_nonfinite(params: Iterable[torch.nn.Parameter]) -> tuple[bool, bool]:
+    """(any non-finite, any NaN) over the gradients, with one host sync."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return False, False
+    norms = torch.stack([g.detach().float().abs().amax() for g in grads])
+    return bool((~torch.isfinite(norms)).any()), bool(torch.isnan(norms).any())
+
+
+class NonFiniteGuard:
+    """Skips non-finite optimizer steps and says what to do about repeats."""
+
+    def __init__(self, policy: str = "rollback", *, skips_before_rollback: int = 3, max_rollbacks: int = 2) -> None:
+        if policy not in ("skip", "rollback", "stop"):
+            raise ValueError(f"unknown --on-nan policy {policy!r}")
+        self.policy = policy
+        self.skips_before_rollback = skips_before_rollback
+        self.max_rollbacks = max_rollbacks
+        self._counts = _Counts()
+        self.last: Verdict = Verdict.OK
+
+    def install(self, optimizer: Any, params: Callable[[], Iterable[torch.nn.Parameter]]) -> None:
+        """Wrap ``optimizer.step`` (an accelerate ``AcceleratedOptimizer``) so non-finite steps are skipped."""
+        original = optimizer.step
+
+        def guarded_step(closure: Any = None) -> Any:
+            if not optimizer.gradient_state.sync_gradients:
+                return original(closure)  # accumulating: accelerate does not step either
+            nonfinite, has_nan = grads_nonfinite(params())
+            if getattr(optimizer, "scaler", None) is not None:
+                result = original(closure)  # the scaler skips non-finite steps itself
+                if optimizer.step_was_skipped:
+                    self.last = Verdict.SKIPPED if has_nan else Verdict.OVERFLOW
+                else:
+                    self.last = Verdict.OK
+                return result
+            if nonfinite:
+                optimizer._is_overflow = True  # accelerate's scheduler wrapper then skips its step too
+                self.last = Verdict.SKIPPED
+                return None
+            optimizer._is_overflow = False
+            self.last = Verdict.OK
+            return original(closure)
+
+        optimizer.step = guarded_step
+
+    def verdict(self) -> Verdict:
+        """The decision for the optimizer step that just finished; call once per step."""
+        last, self.last = self.last, Verdict.OK
+        if last in (Verdict.OK, Verdict.OVERFLOW):
+            if last is Verdict.OK:
+                self._counts = _Counts()
+            return last
+        self._counts.consecutive += 1
+        if self.policy == "stop":
+            return Verdict.STOP
+        if self.policy == "skip":
+            return Verdict.STOP if self._counts.consecutive >= SKIP_ONLY_LIMIT else Verdict.SKIPPED
+        if self._counts.consecutive < self.skips_before_rollback:
+            return Verdict.SKIPPED
+        if self._counts.rollbacks_without_progress >= self.max_rollbacks:
+            return Verdict.STOP
+        self._counts.consecutive = 0
+        self._counts.rollbacks_without_progress += 1
+        return Verdict.ROLLBACK

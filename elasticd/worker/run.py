@@ -1,0 +1,345 @@
+"""``elasticd.attach(accelerator)`` and the :class:`Run` it returns: resume, data, steps, checkpoints, NaN guard.
+
+The training loop of DESIGN.md §2::
+
+    run = elasticd.attach(accelerator)
+    loader = run.dataloader(dataset, global_batch_size=256, micro_batch_size=32, shuffle=True, seed=0)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    run.resume(model, optimizer, scheduler)
+    for batch in run.batches(loader, epochs=3):
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(batch["x"]), batch["y"])
+            accelerator.backward(loss)
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+        run.step(loss)
+
+A :class:`Run` owns the :class:`~elasticd.worker.state.TrainingState`; ``run.step`` is the single place where an
+optimizer step is accounted for: data position, guard verdict, beats, checkpoint decisions, faults.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+
+from elasticd.logging import configure_logging, get_logger
+from elasticd.worker.batching import BatchPlan, plan_batches
+from elasticd.worker.beats import BeatClient
+from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
+from elasticd.worker.coordination import Coordinator
+from elasticd.worker.faults import FaultInjector
+from elasticd.worker.fence import EtcdFence
+from elasticd.worker.guard import NonFiniteGuard, Verdict
+from elasticd.worker.sampler import ElasticSampler, StepSlice, micro_batch_loader
+from elasticd.worker.saver import CheckpointSaver
+from elasticd.worker.settings import WorkerSettings
+from elasticd.worker.state import TrainingState
+
+# Seconds a worker waits, after the checkpoint its daemon asked for, to be stopped for the planned change. Past it
+# the change was called off (its daemon died, say) and training goes on.
+PARK_TIMEOUT_S = 120.0
+
+
+class TrainingStopped(SystemExit):
+    """The run must stop (non-finite steps beyond the policy): exits the worker with code 1 and the message."""
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticLoader:
+    """What :meth:`Run.dataloader` returns; iterate it through :meth:`Run.batches`, never ``accelerator.prepare``."""
+
+    dataset: Any
+    plan: BatchPlan
+    sampler: ElasticSampler
+    collate_fn: Any = None
+    num_workers: int = 0
+
+
+class Run:
+    """One worker's view of an elastic run (see the module docstring for the loop)."""
+
+    def __init__(self, accelerator: Any, settings: WorkerSettings | None = None) -> None:
+        self.accelerator = accelerator
+        self.settings = settings or WorkerSettings.from_env()
+        self.rank = int(accelerator.process_index)
+        self.world_size = int(accelerator.num_processes)
+        self.state = TrainingState()
+        self.store = CheckpointStore(self.settings.checkpoint_dir, self.settings.run_id, keep=self.settings.keep)
+        self.beats = BeatClient.from_env()
+        self.faults = FaultInjector.from_env(self.rank)
+        self.guard = NonFiniteGuard(self.settings.on_nan)
+        self.coordinator = Coordinator(
+            rank=self.rank,
+            world_size=self.world_size,
+            every_steps=self.settings.every_steps,
+            every_seconds=self.settings.every_seconds,
+        )
+        fence = EtcdFence(self.settings.etcd, self.settings.run_id, self.settings.round) if self.settings.etcd else None
+        self.saver = CheckpointSaver(accelerator, self.store, fence=fence, on_event=self._on_save_event)
+        if not structlog.is_configured():
+            configure_logging(stdlib=False)
+        self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
+        self.plan: BatchPlan | None = None
+        self._seed = 0
+        self._model: Any = None
+        self._micro = 0
+        self._slice: StepSlice | None = None
+        self._bad: list[tuple[int, int]] = []  # (epoch, position) of the current run of skipped steps
+        self._generation = 0  # bumped by a rollback: batches() restarts from the rolled-back position
+        self._step_started = time.perf_counter()
+        self._loss: Any = None
+        if self.accelerator.is_main_process:
+            self.store.remove_partials()
+        self.accelerator.wait_for_everyone()
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+
+    def dataloader(
+        self,
+        dataset: Any,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+    ) -> ElasticLoader:
+        """A loader whose global batch stays ``global_batch_size`` at any world size (accumulation adapts)."""
+        s = self.settings
+        plan = plan_batches(
+            global_batch_size,
+            micro_batch_size,
+            self.world_size,
+            nproc_per_node=s.nproc_per_node,
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
+        )
+        self.plan = plan
+        self._seed = seed
+        self.accelerator.gradient_accumulation_steps = plan.accumulation
+        sampler = ElasticSampler(len(dataset), plan, self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        return ElasticLoader(dataset, plan, sampler, collate_fn, num_workers)
+
+    def resume(self, model: Any, optimizer: Any, scheduler: Any = None) -> TrainingState:
+        """Load the newest committed checkpoint that verifies (a no-op on a fresh run) and arm the guard."""
+        self._model = model
+        self.guard.install(optimizer, model.parameters)
+        if scheduler is not None:
+            # once per optimizer step whatever the world size (accelerate would step it W times)
+            scheduler.split_batches = True
+        checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
+        if checkpoint is not None:
+            self._load(checkpoint)
+            self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
+        self._reseed()
+        self.coordinator.listen()
+        # only now may the daemon send SIGUSR2 (its default action would kill this process)
+        self.beats.send("hello", capabilities=["checkpoint_request"], pid=os.getpid())
+        self.beats.send("resumed", step=self.state.step)
+        self._step_started = time.perf_counter()
+        return self.state
+
+    def _load(self, checkpoint: Checkpoint) -> None:
+        manifest = self.saver.load(checkpoint)
+        saved_batch = manifest.get("global_batch_size")
+        if self.plan is not None and saved_batch not in (None, self.plan.global_batch_size):
+            raise TrainingStopped(
+                f"checkpoint {checkpoint.path} was trained with global batch {saved_batch}, this run asks for"
+                f" {self.plan.global_batch_size}; keep it constant or start a new --run-id"
+            )
+        self.state = TrainingState.from_meta(manifest)
+        # accelerate's own step counter (gradient accumulation) differs per rank after load_state: reset it
+        self.accelerator.step = 0
+        self._micro = 0
+
+    def _reseed(self) -> None:
+        """RNG streams derived from (seed, step, rank): the same for a rank whatever the world size history."""
+        seed = (self._seed * 1_000_003 + self.state.step * 7919 + self.rank) % (2**31)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+
+    def batches(self, loader: ElasticLoader, epochs: int = 1) -> Iterator[Any]:
+        """This rank's micro-batches from the saved position until ``epochs`` epochs are done, exactly once each."""
+        accumulation = loader.plan.accumulation
+        while True:
+            generation = self._generation
+            slices: deque[StepSlice] = deque()
+
+            def micro_stream(slices: deque[StepSlice] = slices) -> Iterator[Any]:
+                for step_slice in loader.sampler.steps(
+                    self.state.data, epochs, self.state.skipped_steps, on_skip=self._stepped_over
+                ):
+                    slices.append(step_slice)
+                    yield from step_slice.micro_batches
+
+            stream = micro_batch_loader(loader.dataset, micro_stream(), loader.collate_fn, loader.num_workers)
+            for index, batch in enumerate(stream):
+                if index % accumulation == 0:
+                    self._slice = slices.popleft()
+                    self.faults.before_step(self.state.step + 1)
+                if self.faults.nan_at(self.state.step + 1):
+                    batch = _poison(batch)
+                yield _to_device(batch, self.accelerator.device)
+                if self._generation != generation:
+                    break
+            else:
+                self.saver.wait()
+                return
+
+    def step(self, loss: Any = None) -> None:
+        """Account for one micro-batch; after the last of an optimizer step, everything an optimizer step implies."""
+        self._micro += 1
+        self._loss = loss
+        if self.plan is not None and self._micro < self.plan.accumulation:
+            return
+        self._micro = 0
+        assert self._slice is not None, "run.step() called outside run.batches()"
+        now = time.perf_counter()
+        step_time_s, self._step_started = now - self._step_started, now
+        step_slice = self._slice
+        verdict = self.guard.verdict()
+        self.state = self.state.advanced(step_slice.next_position())
+        step = self.state.step
+        self.beats.send(
+            step=step,
+            loss=self._loss_value() if step % max(self.coordinator.interval, 1) == 0 else None,
+            samples=sum(sum(m.valid) for m in step_slice.micro_batches),
+            step_time_s=step_time_s,
+            phase="train",
+        )
+        if verdict is Verdict.OK:
+            self._bad.clear()
+        elif verdict is not Verdict.OVERFLOW:
+            self._nonfinite(verdict, step_slice)
+        self.faults.after_step(step)
+        outcome = self.coordinator.at_step(step, step_time_s)
+        if outcome.checkpoint:
+            self.save(planned=outcome.requested)
+        if outcome.requested:
+            self._park()
+        self._step_started = time.perf_counter()
+
+    def _nonfinite(self, verdict: Verdict, step_slice: StepSlice) -> None:
+        self._bad.append((step_slice.epoch, step_slice.position))
+        self.state = replace(
+            self.state,
+            nonfinite_steps=self.state.nonfinite_steps + 1,
+            skipped_steps=self.state.skipped_steps | {(step_slice.epoch, step_slice.position)},
+        )
+        self.beats.send("nonfinite", step=self.state.step, action=verdict.value)
+        self.log.warning("nonfinite_step", step=self.state.step, action=verdict.value)
+        if verdict is Verdict.ROLLBACK:
+            self._rollback()
+        elif verdict is Verdict.STOP:
+            message = (
+                f"stopping: non-finite loss/gradients at step {self.state.step} "
+                f"({self.state.nonfinite_steps} non-finite steps, {self.state.rollbacks} rollbacks; --on-nan "
+                f"{self.settings.on_nan})"
+            )
+            self.beats.send("fatal", reason="nan", message=message, exit_code=1)
+            self.saver.wait()
+            raise TrainingStopped(message)
+
+    def _rollback(self) -> None:
+        """Every rank reloads the last checkpoint and will step over the batches that went non-finite."""
+        bad = set(self._bad)
+        self._bad.clear()
+        self.saver.wait()
+        checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
+        keep = replace(self.state, skipped_steps=self.state.skipped_steps | bad, rollbacks=self.state.rollbacks + 1)
+        if checkpoint is not None:
+            self._load(checkpoint)
+            self.state = replace(
+                self.state,
+                skipped_steps=self.state.skipped_steps | keep.skipped_steps,
+                nonfinite_steps=keep.nonfinite_steps,
+                rollbacks=keep.rollbacks,
+            )
+            self._reseed()
+        else:
+            self.state = keep  # nothing to roll back to: the bad batches are already behind us
+        self._generation += 1
+        self.log.warning("rolled_back", to_step=self.state.step, skipped=sorted(bad))
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+
+    def save(self, *, planned: bool = False) -> None:
+        """Checkpoint now; every rank must call it at the same step. A planned save (for a restart) is synchronous."""
+        meta = {
+            **self.state.to_meta(),
+            "global_batch_size": self.plan.global_batch_size if self.plan else None,
+            "world_size": self.world_size,
+            "round": self.settings.round,
+        }
+        self.faults.during_checkpoint(self.state.step)
+        self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
+        self.coordinator.checkpointed()
+        if planned:
+            self.beats.send("checkpoint_saved", step=self.state.step, requested=True)
+
+    def _park(self) -> None:
+        """After a requested checkpoint: wait to be stopped for the planned change (see PARK_TIMEOUT_S)."""
+        self.log.info("parked", step=self.state.step)
+        deadline = time.monotonic() + PARK_TIMEOUT_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.log.warning("park_timeout", step=self.state.step)
+
+    def _on_save_event(self, event: str, fields: dict[str, Any]) -> None:
+        self.beats.send(event, **fields)
+
+    def _bad_checkpoint(self, checkpoint: Checkpoint, reason: str) -> None:
+        self.log.warning("checkpoint_unusable", path=str(checkpoint.path), reason=reason)
+        self.beats.send("checkpoint_unusable", step=checkpoint.step, reason=reason)
+
+    def _stepped_over(self, step_slice: StepSlice) -> None:
+        self.log.info("batch_skipped", epoch=step_slice.epoch, position=step_slice.position)
+
+    def _loss_value(self) -> float | None:
+        loss = self._loss
+        if isinstance(loss, torch.Tensor):
+            return float(loss.detach().float().item())
+        return float(loss) if isinstance(loss, int | float) else None
+
+    def close(self) -> None:
+        self.saver.wait()
+
+
+def attach(accelerator: Any, settings: WorkerSettings | None = None) -> Run:
+    """Join the elastic run this process belongs to (or act locally when no daemon started it)."""
+    return Run(accelerator, settings)
+
+
+def _poison(batch: Any) -> Any:
+    """Fault injection: every floating tensor of the batch becomes NaN, so the loss is NaN for real."""
+    if isinstance(batch, torch.Tensor):
+        return batch * float("nan") if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _poison(v) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_poison(v) for v in batch)
+    return batch
+
+
+def _to_device(batch: Any, device: Any) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch

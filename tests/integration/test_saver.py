@@ -1,0 +1,246 @@
+"""``CheckpointSaver`` with real gloo ranks under ``torchrun``: blocking and background saves write the same files as
+``save_state`` and reload to the saved state; a background save blocks for less time; a rank 0 killed mid-write leaves
+the previous checkpoint as the latest loadable one; a refused fence commits nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from elasticd.worker.checkpoints import MANIFEST, CheckpointStore
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Two ranks importing torch and accelerate on a shared 2-core machine: a run normally takes ~15 s.
+RUN_TIMEOUT_S = 240
+# How long the crash test waits for rank 0's writer to reach its slowed write (s).
+SLOW_WRITE_TIMEOUT_S = 180
+# What the worker script's patched writer sleeps for once it reaches the slowed write (s): it is killed long before.
+SLOW_WRITE_SLEEP_S = 600
+
+WORKER = textwrap.dedent(
+    """
+    import copy, json, os, sys, threading, time
+    import torch
+    from accelerate import Accelerator
+    from elasticd.worker.checkpoints import CheckpointStore
+    from elasticd.worker.saver import CheckpointSaver
+
+    mode, root = sys.argv[1], sys.argv[2]
+    accelerator = Accelerator(cpu=True)  # on a CPU-only host, accelerate ignores WORLD_SIZE without cpu=True
+    rank = accelerator.process_index
+    (open(os.path.join(root, f"pid-{rank}"), "w")).write(str(os.getpid()))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 4.2M parameters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    def emit(**fields):
+        print(json.dumps({"rank": rank, **fields}), flush=True)
+
+    def train(steps=1):
+        for _ in range(steps):
+            accelerator.backward(model(torch.randn(8, 1024)).pow(2).mean())
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+    def state():
+        return {
+            "model": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
+            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "scheduler": copy.deepcopy(scheduler.state_dict()),
+            "rng": torch.get_rng_state(),
+        }
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and torch.equal(a, b)
+        if isinstance(a, dict):
+            return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    store = CheckpointStore(root, "run", keep=10)
+    def fence(step):
+        if step >= 3:
+            raise RuntimeError(f"etcd unreachable at step {step}")
+        return False
+
+    saver = CheckpointSaver(
+        accelerator,
+        store,
+        fence=fence if mode == "fenced" else None,
+        on_event=lambda name, fields: emit(event=name, **fields),
+    )
+    train()
+    if mode == "roundtrip":
+        expected = {}
+        for step, asynchronous in ((1, False), (2, False), (3, True), (4, True)):
+            saver.save(step, {"world_size": accelerator.num_processes}, asynchronous=asynchronous)
+            expected[step] = state()
+            train(3)  # while the background write runs: the snapshot must not see these updates
+        saver.wait()
+        accelerator.wait_for_everyone()  # rank 0's wait() includes its commit: all are committed past here
+        for cp in store.committed():
+            saver.load(cp)
+            emit(loaded=cp.step, equal=same(state(), expected[cp.step]))
+    elif mode == "fenced":
+        saver.save(1, {}, asynchronous=False)
+        saver.save(2, {}, asynchronous=True)
+        try:
+            saver.save(3, {}, asynchronous=False)
+        except RuntimeError as exc:
+            emit(raised=str(exc))
+        saver.save(4, {}, asynchronous=True)  # a failure in the background is only reported
+        saver.wait()
+        accelerator.wait_for_everyone()
+    elif mode == "crash":
+        saver.save(1, {}, asynchronous=True)
+        saver.wait()
+        if rank == 0:
+            torch.save(state(), os.path.join(root, "expected-1.pt"))
+        accelerator.wait_for_everyone()
+        import accelerate.checkpointing
+        real_save = accelerate.checkpointing.save
+
+        def slow_save(obj, f, **kwargs):
+            real_save(obj, f, **kwargs)
+            if threading.current_thread() is not threading.main_thread():
+                emit(slow_write=os.path.basename(str(f)))
+                time.sleep(float(os.environ["SLOW_WRITE_SLEEP_S"]))
+
+        accelerate.checkpointing.save = slow_save
+        saver.save(2, {}, asynchronous=True)
+        emit(snapshot_returned=2)
+        train(100_000)  # until rank 0 is killed
+    elif mode == "load":  # one plain process, after the crash
+        cp = store.latest_loadable(lambda cp, reason: emit(bad=cp.step, reason=reason))
+        saver.load(cp)
+        emit(loaded=cp.step, equal=same(state(), torch.load(os.path.join(root, f"expected-{cp.step}.pt"))))
+    saver.close()
+    """
+)
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts (each in its own session); any still running are killed afterwards."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the group is torchrun and its workers
+            process.wait(timeout=30)
+
+
+def start(tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str, ranks: int = 2) -> Path:
+    """Start the worker script in ``mode`` (under torchrun when ``ranks`` > 1); its output file."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    output = tmp_path / f"{mode}.out"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    # One intra-op thread per rank: the machine has 2 cores shared with other test runs.
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), SLOW_WRITE_SLEEP_S=str(SLOW_WRITE_SLEEP_S))
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
+    command = [sys.executable, *launcher, str(script), mode, str(tmp_path / "ckpt")]
+    (tmp_path / "ckpt").mkdir(exist_ok=True)
+    with output.open("wb") as sink:
+        processes.append(
+            subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        )
+    return output
+
+
+def lines(output: Path) -> list[dict[str, Any]]:
+    """The JSON lines the worker script printed (torchrun's own log lines skipped)."""
+    return [json.loads(line) for line in output.read_text().splitlines() if line.startswith("{")]
+
+
+def finish(process: subprocess.Popen[bytes], output: Path) -> list[dict[str, Any]]:
+    assert process.wait(timeout=RUN_TIMEOUT_S) == 0, output.read_text()[-4000:]
+    return lines(output)
+
+
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "ckpt", "run")
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_blocking_and_background_saves_write_save_state_files_that_reload_to_the_saved_state(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    output = start(tmp_path, processes, "roundtrip")
+    records = finish(processes[0], output)
+    loaded = sorted((r["rank"], r["loaded"], r["equal"]) for r in records if "loaded" in r)
+    assert loaded == [(rank, step, True) for rank in (0, 1) for step in (1, 2, 3, 4)]
+    committed = {r["step"]: r for r in records if r.get("event") == "checkpoint_committed"}
+    assert sorted(committed) == [1, 2, 3, 4] and all(r["rank"] == 0 for r in committed.values())
+    assert not [r for r in records if r.get("event") == "checkpoint_failed"]
+
+    checkpoints = store(tmp_path).committed()
+    names = [sorted(p.name for p in cp.path.iterdir()) for cp in checkpoints]
+    expected = [MANIFEST, "model.safetensors", "optimizer.bin", "random_states_0.pkl", "random_states_1.pkl"]
+    assert names == [sorted([*expected, "scheduler.bin"])] * 4  # no markers left, same files either way
+    assert [store(tmp_path).verify(cp) for cp in checkpoints] == [None] * 4
+    assert not list((tmp_path / "ckpt" / "run").glob("*.partial"))
+
+    sync_blocking = [committed[s]["blocking_s"] for s in (1, 2)]
+    async_blocking = [committed[s]["blocking_s"] for s in (3, 4)]
+    assert min(async_blocking) < min(sync_blocking), (async_blocking, sync_blocking)
+    assert all(committed[s]["total_s"] >= committed[s]["blocking_s"] for s in (3, 4))
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_refused_fence_commits_nothing_and_a_failing_fence_is_reported_without_hanging_other_ranks(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    output = start(tmp_path, processes, "fenced")
+    records = finish(processes[0], output)
+    events = sorted((r["event"], r["step"], r["rank"]) for r in records if "event" in r)
+    assert events == [
+        ("checkpoint_failed", 3, 0),
+        ("checkpoint_failed", 4, 0),
+        ("checkpoint_fenced", 1, 0),
+        ("checkpoint_fenced", 2, 0),
+    ]
+    assert [(r["rank"], r["raised"]) for r in records if "raised" in r] == [(0, "etcd unreachable at step 3")]
+    assert store(tmp_path).committed() == []
+    partials = sorted(p.name for p in (tmp_path / "ckpt" / "run").glob("*.partial"))
+    assert partials == ["step-000000000003.partial", "step-000000000004.partial"]  # removed on the next start
+
+
+@pytest.mark.timeout(3 * RUN_TIMEOUT_S + SLOW_WRITE_TIMEOUT_S)
+def test_rank0_killed_during_background_write_leaves_previous_checkpoint_latest_and_loadable(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    output = start(tmp_path, processes, "crash")
+    deadline = time.monotonic() + SLOW_WRITE_TIMEOUT_S
+    while not any(r.get("slow_write") == "model.safetensors" and r["rank"] == 0 for r in lines(output)):
+        assert processes[0].poll() is None, output.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"rank 0 never reached the slowed write:\n{output.read_text()[-4000:]}"
+        time.sleep(0.2)
+    os.kill(int((tmp_path / "ckpt" / "pid-0").read_text()), signal.SIGKILL)
+    assert processes[0].wait(timeout=RUN_TIMEOUT_S) != 0  # torchrun saw its rank 0 die
+
+    checkpoints = store(tmp_path)
+    partial = checkpoints.partial_path(2)
+    assert (partial / "model.safetensors").is_file() and not (partial / MANIFEST).exists()
+    bad: list[tuple[int, str]] = []
+    latest = checkpoints.latest_loadable(lambda cp, reason: bad.append((cp.step, reason)))
+    assert latest is not None and latest.step == 1 and bad == []
+
+    load_output = start(tmp_path, processes, "load", ranks=1)
+    records = finish(processes[1], load_output)
+    assert [(r["loaded"], r["equal"]) for r in records if "loaded" in r] == [(1, True)]
