@@ -39,8 +39,9 @@ TAG_ENV = "ELASTICD_BENCH_TAG"
 # The machine has 2 cores shared by 3 nodes, their workers and etcd: one intra-op thread per process, or the
 # workers fight over cores and step times stop meaning anything.
 BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-# CPU use of the whole machine (percent) below which it counts as quiet, and the window it is measured over (s).
-_QUIET_CPU_PCT, _QUIET_WINDOW_S = 25.0, 2.0
+# Cores' worth of CPU that processes outside the benchmark may use for the machine to count as quiet, and the
+# window that use is measured over (s).
+_QUIET_CORES, _QUIET_WINDOW_S = 0.25, 2.0
 # How long a killed launcher may take to be reaped (s); SIGKILL is immediate, this only bounds a stuck kernel.
 _REAP_TIMEOUT_S = 10.0
 # torch.distributed.elastic logs like glog, in local time: "I1129 17:21:38.684000 15643 torch/...py:553] message".
@@ -281,13 +282,38 @@ def code_revision() -> dict[str, Any]:
     return {"commit": git("rev-parse", "--short", "HEAD") or None, "uncommitted_changes": bool(changed)}
 
 
-def wait_for_quiet(timeout_s: float) -> float:
-    """Wait until the machine's CPU use is below a quarter of its cores' capacity over 2 s, or ``timeout_s``.
+CpuSnapshot = dict[tuple[int, float], float]  # (pid, create time) -> user + system CPU seconds
 
-    Returns the last CPU use seen (percent of all cores): a benchmark records it, since other jobs on a small
-    machine slow every process start down."""
+
+def foreign_cpu() -> CpuSnapshot:
+    """CPU seconds used so far by every process that is neither this one nor below it (etcd, nodes, workers)."""
+    me = psutil.Process()
+    ours = {me.pid, *(p.pid for p in me.children(recursive=True))}
+    snapshot: CpuSnapshot = {}
+    for p in psutil.process_iter(["create_time", "cpu_times"]):
+        times = p.info.get("cpu_times")
+        if p.pid in ours or times is None:
+            continue
+        snapshot[(p.pid, float(p.info["create_time"]))] = float(times.user + times.system)
+    return snapshot
+
+
+def foreign_cores(before: CpuSnapshot, after: CpuSnapshot, seconds: float) -> float:
+    """Cores' worth of CPU that other processes used between two snapshots ``seconds`` apart (a process that
+    started and ended in between is missed: a lower bound)."""
+    used = sum(cpu - before.get(key, 0.0) for key, cpu in after.items())
+    return max(0.0, used) / max(seconds, 1e-6)
+
+
+def wait_for_quiet(timeout_s: float) -> float:
+    """Wait until processes outside the benchmark use under a quarter core (over 2 s), at most ``timeout_s``.
+
+    Returns the last use seen, in cores: other jobs on a small machine slow every process start down, so a
+    benchmark records it with each sample."""
     deadline = time.monotonic() + timeout_s
     while True:
-        busy = float(psutil.cpu_percent(interval=_QUIET_WINDOW_S))
-        if busy < _QUIET_CPU_PCT or time.monotonic() >= deadline:
-            return busy
+        before = foreign_cpu()
+        time.sleep(_QUIET_WINDOW_S)
+        cores = foreign_cores(before, foreign_cpu(), _QUIET_WINDOW_S)
+        if cores < _QUIET_CORES or time.monotonic() >= deadline:
+            return cores

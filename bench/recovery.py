@@ -58,9 +58,12 @@ if __package__ in (None, ""):  # run as `python bench/recovery.py`
 
 from bench.common import (
     BenchTimeout,
+    CpuSnapshot,
     Launcher,
     Node,
     code_revision,
+    foreign_cores,
+    foreign_cpu,
     free_port,
     glog_to_unix,
     iso_to_unix,
@@ -84,8 +87,10 @@ STARTUP_TIMEOUT_S = 180.0
 RECOVERY_TIMEOUT_S = 120.0
 # Reaching steady state after a measurement that succeeded (s); generous for a loaded 2-core machine.
 STEADY_TIMEOUT_S = 120.0
-# Before a trial, wait up to this long for other jobs on the machine to finish (s).
-QUIET_TIMEOUT_S = 180.0
+# Before each fault or join, wait up to this long for other jobs on the machine to go quiet (s).
+QUIET_TIMEOUT_S = 120.0
+# A sample during which other processes used more than this many cores is marked as contended.
+CONTENDED_CORES = 0.25
 # The first torchrun node binds the c10d rendezvous store within this (s).
 STORE_HOST_TIMEOUT_S = 60.0
 # Targets from the issue: seconds, and torchrun/elasticd as a factor.
@@ -128,11 +133,14 @@ class Sample:
     milestones: dict[str, float] = field(default_factory=dict)
     # elasticd only: the daemons' own figures (rendezvous duration_s, recovered recovery_s), max over nodes.
     daemon: dict[str, float] = field(default_factory=dict)
-    # The machine's 1-minute load average at the fault: the job itself accounts for ~3 on 2 cores; much more
-    # means something else was running (the figures are then slower than they should be).
-    load_1m: float = 0.0
-    # CPU use of the machine (percent) just before the trial's job started; ours alone is ~0.
-    cpu_busy_before_pct: float = 0.0
+    # Cores' worth of CPU used by processes outside the benchmark just before the fault or join (over 2 s), and
+    # from it to the first step at the new size. The machine has 2 cores: others' work slows every start down.
+    foreign_cores_before: float = 0.0
+    foreign_cores_during: float = 0.0
+
+    @property
+    def contended(self) -> bool:
+        return max(self.foreign_cores_before, self.foreign_cores_during) > CONTENDED_CORES
 
 
 # -- the two systems -----------------------------------------------------------------------------------------
@@ -366,6 +374,14 @@ def first_step_at(job: Job, size: int, after: float) -> dict[str, Any] | None:
         return None
 
 
+def worker_ready_times(node: Node) -> list[float]:
+    """When a worker of ``node`` had initialised (unix s): the worker library's ``resumed`` event on stderr (after
+    accelerate, the process group and the checkpoint load), or a script's own ``start`` line on stdout."""
+    resumed = [_stamp(e) for e in node.err_records if e.get("event") == "resumed" and "timestamp" in e]
+    started = [float(r["t"]) for r in node.out_records if r.get("event") == "start" and "t" in r]
+    return resumed + started
+
+
 def milestones(job: Job, size: int, t0: float, t1: float) -> tuple[dict[str, float], dict[str, float]]:
     """Phase ends in seconds after ``t0`` (detection: first node; the rest: last node), and daemon figures."""
     live = job.launcher.live()
@@ -379,22 +395,27 @@ def milestones(job: Job, size: int, t0: float, t1: float) -> tuple[dict[str, flo
         for key, value in job.daemon_figures(node, t0, t1).items():
             figures[key] = max(value, figures.get(key, value))
     result = {p: (min(ts) if p == "detected" else max(ts)) - t0 for p, ts in per_phase.items()}
-    ready = [
-        float(r["t"])
-        for n in job.launcher.nodes.values()
-        for r in n.out_records
-        if r.get("event") == "start" and r.get("world_size") == size and t0 < float(r["t"]) <= t1
-    ]
+    ready = [t for n in job.launcher.nodes.values() for t in worker_ready_times(n) if t0 < t <= t1]
     if ready:
         result["worker_ready"] = max(ready) - t0
     result["first_step"] = t1 - t0
     return {k: round(v, 3) for k, v in result.items()}, figures
 
 
-def measure(job: Job, trial: int, scenario: Scenario, size_after: int, t0: float, victim: Node | None) -> Sample:
-    """The sample of a fault or join that happened at ``t0`` (unix s)."""
+def measure(
+    job: Job, trial: int, scenario: Scenario, size_after: int, t0: float, victim: Node | None, quiet: Quiet
+) -> Sample:
+    """The sample of a fault or join that happened at ``t0`` (unix s), after ``quiet`` was measured."""
     step = first_step_at(job, size_after, t0)
-    sample = Sample(job.system, scenario.value, trial, None, load_1m=round(os.getloadavg()[0], 2))
+    during = foreign_cores(quiet.snapshot, foreign_cpu(), time.time() - t0)
+    sample = Sample(
+        job.system,
+        scenario.value,
+        trial,
+        None,
+        foreign_cores_before=round(quiet.cores, 2),
+        foreign_cores_during=round(during, 2),
+    )
     if victim is not None:
         sample.victim = victim.name
         last = job.last_group_rank(victim)
@@ -408,10 +429,23 @@ def measure(job: Job, trial: int, scenario: Scenario, size_after: int, t0: float
     return sample
 
 
+@dataclass(frozen=True)
+class Quiet:
+    cores: float  # others' CPU use just before the event
+    snapshot: CpuSnapshot  # others' CPU seconds at the event
+
+
+def quiet_moment() -> Quiet:
+    """Wait for the machine to be quiet (bounded), then note others' CPU seconds: the event happens next."""
+    cores = wait_for_quiet(QUIET_TIMEOUT_S)
+    return Quiet(cores, foreign_cpu())
+
+
 def measure_join(job: Job, trial: int) -> Sample:
     wait_steady(job, MIN_NODES, since=0.0, timeout_s=STARTUP_TIMEOUT_S)
+    quiet = quiet_moment()
     joiner = job.start_node()
-    return measure(job, trial, Scenario.JOIN, MAX_NODES, joiner.started_at, None)
+    return measure(job, trial, Scenario.JOIN, MAX_NODES, joiner.started_at, None, quiet)
 
 
 def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
@@ -423,8 +457,9 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
     else:
         name = max((n for n in ranks if job.killable(n)), key=lambda n: ranks[n])
     victim = job.launcher.nodes[name]
+    quiet = quiet_moment()
     t0 = victim.kill()
-    sample = measure(job, trial, scenario, MIN_NODES, t0, victim)
+    sample = measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
     if sample.seconds is not None:
         wait_steady(job, MIN_NODES, since=t0)
     return sample
@@ -465,8 +500,7 @@ def run_system_trial(system: str, trial: int, workdir: Path, code: Path) -> list
     ``code`` is a :func:`snapshot_code` copy: every node imports elasticd from it and runs its train.py."""
     trial_dir = workdir / f"{system}-{trial}"
     run_id = f"bench-{system}-{trial}-{uuid.uuid4().hex[:6]}"
-    busy = wait_for_quiet(QUIET_TIMEOUT_S)
-    print(f"[{system} trial {trial}] starting; machine CPU busy {busy:.0f}% just before", file=sys.stderr)
+    print(f"[{system} trial {trial}] starting", file=sys.stderr)
     script = code / "examples" / "train.py"
     with ExitStack() as stack:
         launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
@@ -482,8 +516,6 @@ def run_system_trial(system: str, trial: int, workdir: Path, code: Path) -> list
         # Unwinds first: every node is dead before etcd stops, so no daemon sees etcd go.
         stack.callback(launcher.close)
         samples = run_trial(job, trial, SCENARIOS[system])
-        for sample in samples:
-            sample.cpu_busy_before_pct = round(busy, 1)
         if any(s.seconds is None for s in samples):
             (trial_dir / "diagnostics.txt").write_text(
                 "\n".join(f"===== {n.name}\n{n.tail(60)}" for n in launcher.nodes.values())
@@ -494,10 +526,8 @@ def run_system_trial(system: str, trial: int, workdir: Path, code: Path) -> list
 def _progress(sample: Sample) -> None:
     took = f"{sample.seconds:.2f} s" if sample.seconds is not None else sample.note
     phases = " ".join(f"{k}={v:.2f}" for k, v in sample.milestones.items())
-    print(
-        f"[{sample.system} trial {sample.trial}] {sample.scenario}: {took}  {phases}  load={sample.load_1m}",
-        file=sys.stderr,
-    )
+    others = f"others' CPU {sample.foreign_cores_before:.2f}/{sample.foreign_cores_during:.2f} cores"
+    print(f"[{sample.system} trial {sample.trial}] {sample.scenario}: {took}  {phases}  {others}", file=sys.stderr)
 
 
 # -- the report ----------------------------------------------------------------------------------------------
@@ -527,6 +557,7 @@ def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                     "median_s": median_s(mine),
                     "unrecovered": sum(s.seconds is None for s in mine),
                     "samples_s": [s.seconds for s in mine],
+                    "contended": [s.contended for s in mine],
                     "phase_medians_s": phase_medians(mine),
                 }
         e, t = row.get("elasticd", {}).get("median_s"), row.get("torchrun", {}).get("median_s")
@@ -568,13 +599,18 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         cells = [Scenario(row["scenario"]).label]
         for system in SYSTEMS:
             data = row.get(system)
-            cells += [fmt_s(data["median_s"]), _samples(data["samples_s"])] if data else ["n/a", ""]
+            cells += [fmt_s(data["median_s"]), _samples(data["samples_s"], data["contended"])] if data else ["n/a", ""]
         ratio = row["ratio_torchrun_over_elasticd"]
         cells += ["-" if ratio is None else "inf" if math.isinf(ratio) else f"{ratio:.1f}x", row["target"]]
         body.append(cells)
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append("")
+    lines.append(
+        f"x: did not recover within {RECOVERY_TIMEOUT_S:g} s or not measured; *: other processes used more than "
+        f"{CONTENDED_CORES:g} cores around that sample"
+    )
     lines.append("")
     lines.append("median phase ends, s after the kill / the join start:")
     for row in rows:
@@ -585,8 +621,9 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _samples(values: Sequence[float | None]) -> str:
-    return ", ".join("x" if v is None else f"{v:.1f}" for v in values)
+def _samples(values: Sequence[float | None], contended: Sequence[bool]) -> str:
+    text = ("x" if v is None else f"{v:.1f}" for v in values)
+    return ", ".join(t + ("*" if c else "") for t, c in zip(text, contended, strict=True))
 
 
 def machine() -> dict[str, Any]:

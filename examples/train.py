@@ -54,6 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step, to stand in for real compute")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     p.add_argument("--record-ids", default=None, help="append the sample ids each rank trains on (tests)")
+    p.add_argument("--save-final", default=None, help="write the final weights here (tests)")
     return p.parse_args()
 
 
@@ -103,6 +104,8 @@ def main() -> None:
                 }
                 print(json.dumps(line), flush=True)
     run.close()
+    if args.save_final and accelerator.is_main_process:
+        torch.save(accelerator.unwrap_model(model).state_dict(), args.save_final)
     if accelerator.is_main_process:
         print(json.dumps({"event": "done", "step": run.state.step, "t": time.time(), "pid": os.getpid()}), flush=True)
     accelerator.end_training()

@@ -9,7 +9,8 @@ are counted apart (``overflow``) unless the gradients hold a NaN, which an overf
 Escalation (``--on-nan``), decided by :meth:`NonFiniteGuard.verdict` from counts every rank shares:
 ``skip`` skips forever (stopping after :data:`SKIP_ONLY_LIMIT` in a row), ``rollback`` skips up to
 ``skips_before_rollback`` in a row then rolls back to the last checkpoint, stepping past the bad batches, and stops
-after ``max_rollbacks`` rollbacks without a finite step in between; ``stop`` stops at the first one.
+after ``max_rollbacks`` rollbacks without progress (no finite step past the step where the last rollback began);
+``stop`` stops at the first one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Verdict(StrEnum):
 class _Counts:
     consecutive: int = 0
     rollbacks_without_progress: int = 0
+    high_water: int = -1  # the step reached when we last rolled back: progress means a finite step past it
 
 
 def grads_nonfinite(params: Iterable[torch.nn.Parameter]) -> tuple[bool, bool]:
@@ -85,12 +87,14 @@ class NonFiniteGuard:
 
         optimizer.step = guarded_step
 
-    def verdict(self) -> Verdict:
-        """The decision for the optimizer step that just finished; call once per step."""
+    def verdict(self, step: int) -> Verdict:
+        """The decision for optimizer step ``step``, which just finished; call once per step."""
         last, self.last = self.last, Verdict.OK
         if last in (Verdict.OK, Verdict.OVERFLOW):
             if last is Verdict.OK:
-                self._counts = _Counts()
+                self._counts.consecutive = 0
+                if step > self._counts.high_water:
+                    self._counts.rollbacks_without_progress = 0
             return last
         self._counts.consecutive += 1
         if self.policy == "stop":
@@ -103,4 +107,5 @@ class NonFiniteGuard:
             return Verdict.STOP
         self._counts.consecutive = 0
         self._counts.rollbacks_without_progress += 1
+        self._counts.high_water = max(self._counts.high_water, step)
         return Verdict.ROLLBACK

@@ -197,7 +197,7 @@ class Run:
                 if self._generation != generation:
                     break
             else:
-                self.saver.wait()
+                self.saver.wait(everyone=True)
                 return
 
     def step(self, loss: Any = None) -> None:
@@ -211,9 +211,9 @@ class Run:
         now = time.perf_counter()
         step_time_s, self._step_started = now - self._step_started, now
         step_slice = self._slice
-        verdict = self.guard.verdict()
         self.state = self.state.advanced(step_slice.next_position())
         step = self.state.step
+        verdict = self.guard.verdict(step)
         self.beats.send(
             step=step,
             loss=self._loss_value() if step % max(self.coordinator.interval, 1) == 0 else None,
@@ -258,7 +258,7 @@ class Run:
         """Every rank reloads the last checkpoint and will step over the batches that went non-finite."""
         bad = set(self._bad)
         self._bad.clear()
-        self.saver.wait()
+        self.saver.wait(everyone=True)  # every rank sees the same commits before choosing what to load
         checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
         keep = replace(self.state, skipped_steps=self.state.skipped_steps | bad, rollbacks=self.state.rollbacks + 1)
         if checkpoint is not None:
@@ -285,7 +285,6 @@ class Run:
             "world_size": self.world_size,
             "round": self.settings.round,
         }
-        self.faults.during_checkpoint(self.state.step)
         self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
         self.coordinator.checkpointed()
         if planned:
@@ -300,6 +299,9 @@ class Run:
         self.log.warning("park_timeout", step=self.state.step)
 
     def _on_save_event(self, event: str, fields: dict[str, Any]) -> None:
+        if event == "checkpoint_written":
+            self.faults.during_checkpoint(int(fields["step"]))
+            return
         self.beats.send(event, **fields)
 
     def _bad_checkpoint(self, checkpoint: Checkpoint, reason: str) -> None:
@@ -316,7 +318,8 @@ class Run:
         return float(loss) if isinstance(loss, int | float) else None
 
     def close(self) -> None:
-        self.saver.wait()
+        """Finish the background checkpoint write; call on every rank before exit."""
+        self.saver.wait(everyone=True)
 
 
 def attach(accelerator: Any, settings: WorkerSettings | None = None) -> Run:

@@ -35,6 +35,8 @@ from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
 COMMITTED = "checkpoint_committed"
 FAILED = "checkpoint_failed"
 FENCED = "checkpoint_fenced"
+# This rank's files are on disk, not yet committed (fault injection kills a rank here: a torn checkpoint).
+WRITTEN = "checkpoint_written"
 # save_state of these writes sharded or engine-specific files that a host snapshot cannot reproduce: saved blocking.
 _NO_SNAPSHOT = frozenset(
     {DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
@@ -67,6 +69,8 @@ class _HostCopy:
         safetensors exactly as in ``save_state``) and dict subclasses such as OrderedDict keep their type."""
         memo = {} if memo is None else memo
         if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:  # sparse: no storage to share or buffer to reuse
+                return obj.detach().to("cpu", copy=True)
             key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
             if key not in memo:
                 memo[key] = self._tensor(obj.detach())
@@ -166,13 +170,16 @@ class CheckpointSaver:
             self._emit(FAILED, step=step, error=repr(exc))
             raise
 
-    def wait(self) -> None:
-        """Return once this rank's background write (and, on rank 0, its commit) has finished, if one runs. Commits
-        are decided on every rank once all ranks have called ``wait()`` and then passed a barrier."""
+    def wait(self, *, everyone: bool = False) -> None:
+        """Return once this rank's background write (on rank 0: and its commit) has finished; call it before exit.
+        Other ranks may still be writing: with ``everyone=True``, a collective call on every rank, the last save is
+        decided (committed, fenced or failed) when it returns, so every rank then sees the same latest checkpoint."""
         if self._writer is not None:
             self._writer.join()
             self._writer = None
         self._host.recycle()
+        if everyone:
+            self._acc.wait_for_everyone()
 
     def close(self) -> None:
         """Wait for the background write and free the host memory kept for the next snapshot."""
@@ -191,6 +198,7 @@ class CheckpointSaver:
             self._store.begin(step)
         acc.wait_for_everyone()  # nobody writes before rank 0 has made the empty partial dir
         acc.save_state(str(self._store.partial_path(step)))
+        self._emit(WRITTEN, step=step)
         acc.wait_for_everyone()  # save_state has no final barrier: here every rank's files are complete
         try:
             if acc.is_main_process:
@@ -209,7 +217,8 @@ class CheckpointSaver:
             hook(acc._models, state["model_states"], str(partial))
         acc.project_configuration.iteration += 1
         args = (state, custom, rng, step, meta, start, time.monotonic() - start)
-        self._writer = threading.Thread(target=self._write, args=args, name=f"elasticd-checkpoint-{step}")
+        # A daemon: a writer waiting for a dead rank's marker must not hold up this process's exit.
+        self._writer = threading.Thread(target=self._write, args=args, name=f"elasticd-checkpoint-{step}", daemon=True)
         self._writer.start()
 
     def _snapshot(self) -> tuple[dict[str, Any], list[_Frozen], dict[str, Any]]:
@@ -242,6 +251,7 @@ class CheckpointSaver:
                 save_custom_state(obj, str(partial), index, save_on_each_node=each_node)
             # save_accelerator_state wrote the RNG of this moment, mid-training; resuming needs the snapshot's.
             torch.save(rng, partial / f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
+            self._emit(WRITTEN, step=step)
             (partial / _MARKER.format(acc.process_index)).touch()
             if acc.is_main_process:
                 self._await_markers(partial, acc.num_processes)

@@ -136,6 +136,7 @@ class Cluster:
         script: Path = EXAMPLE,
         script_args: tuple[str, ...] | None = None,
         extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         self.etcd = etcd
         self.workdir = workdir
@@ -166,10 +167,11 @@ class Cluster:
         ]
         self.script = [str(script), *(train_args(60) if script_args is None else script_args)]
         self.nodes: dict[str, Node] = {}
+        self.env = dict(env or {})
 
     def start(self, name: str, *extra: str) -> Node:
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.env)
         cmd = [
             sys.executable,
             "-m",
