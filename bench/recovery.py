@@ -449,8 +449,12 @@ def measure_join(job: Job, trial: int) -> Sample:
 
 
 def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
-    for _ in range(MAX_NODES - len(job.launcher.live())):
-        job.start_node()
+    live = len(job.launcher.live())
+    if live < MAX_NODES:
+        # Let the last recovery settle before growing back to MAX_NODES (that join is not measured).
+        wait_steady(job, live, since=time.time())
+        for _ in range(MAX_NODES - live):
+            job.start_node()
     ranks = wait_steady(job, MAX_NODES, since=time.time())
     if scenario is Scenario.NODE_LOSS_RANK0:
         name = next(n for n, r in ranks.items() if r == 0)
@@ -459,10 +463,7 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
     victim = job.launcher.nodes[name]
     quiet = quiet_moment()
     t0 = victim.kill()
-    sample = measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
-    if sample.seconds is not None:
-        wait_steady(job, MIN_NODES, since=t0)
-    return sample
+    return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
 
 
 def measure_scenario(job: Job, trial: int, scenario: Scenario) -> Sample:

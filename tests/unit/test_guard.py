@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch
 
 from elasticd.worker.guard import SKIP_ONLY_LIMIT, NonFiniteGuard, Verdict
 
@@ -61,3 +64,45 @@ def test_overflow_is_neither_skip_nor_progress_reset() -> None:
 def test_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="explode"):
         NonFiniteGuard("explode")
+
+
+def _scaled_optimizer() -> tuple[torch.nn.Linear, Any]:
+    """A real accelerate optimizer wrapper around AdamW with a real (CPU) GradScaler, as fp16 training has."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)  # accelerate's optimizer wrapper reads its shared state
+    model = torch.nn.Linear(2, 1)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), scaler=scaler)
+    return model, optimizer
+
+
+@pytest.mark.parametrize(("bad", "expected"), [(float("inf"), Verdict.OVERFLOW), (float("nan"), Verdict.SKIPPED)])
+def test_fp16_scaler_skips_count_inf_as_overflow_and_nan_as_nonfinite(bad: float, expected: Verdict) -> None:
+    model, optimizer = _scaled_optimizer()
+    guard = NonFiniteGuard("rollback")
+    guard.install(optimizer, model.parameters)
+    before = model.weight.detach().clone()
+    optimizer.scaler.scale(model(torch.ones(1, 2)).sum()).backward()  # what accelerator.backward does in fp16
+    model.weight.grad[0, 0] = bad
+    optimizer.step()
+    assert optimizer.step_was_skipped
+    assert torch.equal(model.weight.detach(), before)  # the scaler kept the bad step away from the weights
+    assert guard.verdict(1) is expected
+
+
+def test_nonfinite_gradient_never_reaches_the_weights_without_a_scaler() -> None:
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = AcceleratedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    guard = NonFiniteGuard("rollback")
+    guard.install(optimizer, model.parameters)
+    before = model.weight.detach().clone()
+    model(torch.full((1, 2), float("nan"))).sum().backward()
+    optimizer.step()
+    assert torch.equal(model.weight.detach(), before) and optimizer.step_was_skipped
+    assert guard.verdict(1) is Verdict.SKIPPED
