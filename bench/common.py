@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
+import platform
 import re
 import shutil
 import signal
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -317,3 +320,33 @@ def wait_for_quiet(timeout_s: float) -> float:
         cores = foreign_cores(before, foreign_cpu(), _QUIET_WINDOW_S)
         if cores < _QUIET_CORES or time.monotonic() >= deadline:
             return cores
+
+
+def machine() -> dict[str, Any]:
+    """What a result depends on: cores, OS, Python, torch, accelerate."""
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "accelerate": version("accelerate"),
+    }
+
+
+def text_table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns two spaces apart, a rule under the header."""
+    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every infinite float replaced by None, recursively, so ``json.dumps`` writes strict JSON."""
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value

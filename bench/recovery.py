@@ -35,7 +35,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import signal
@@ -49,7 +48,6 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -62,13 +60,16 @@ from bench.common import (
     Launcher,
     Node,
     code_revision,
+    finite,
     foreign_cores,
     foreign_cpu,
     free_port,
     glog_to_unix,
     iso_to_unix,
     listening_on,
+    machine,
     snapshot_code,
+    text_table,
     wait_for_quiet,
     wait_until,
 )
@@ -85,7 +86,7 @@ STEADY_STEPS = 10
 STARTUP_TIMEOUT_S = 180.0
 # A system that has not trained at the new size this long after the fault did not recover (s).
 RECOVERY_TIMEOUT_S = 120.0
-# Reaching steady state after a measurement that succeeded (s); generous for a loaded 2-core machine.
+# Reaching steady state at a size once the job runs (s); generous for a loaded 2-core machine.
 STEADY_TIMEOUT_S = 120.0
 # Before each fault or join, wait up to this long for other jobs on the machine to go quiet (s).
 QUIET_TIMEOUT_S = 120.0
@@ -232,7 +233,8 @@ class ElasticdJob(Job):
     def daemon_figures(self, node: Node, t0: float, t1: float) -> dict[str, float]:
         figures = {}
         for event, key in (("rendezvous_done", "duration_s"), ("recovered", "recovery_s")):
-            values = [e[key] for e in node.events(event) if key in e and t0 < _stamp(e) <= t1 + 5.0]
+            # `recovered` is logged when the daemon gets the first step's beat, a moment after the step line.
+            values = [e[key] for e in node.events(event) if key in e and t0 < _stamp(e) <= t1 + _BEAT_SLACK_S]
             if values:
                 figures[f"{event}.{key}"] = float(values[0] if event == "recovered" else values[-1])
         return figures
@@ -320,6 +322,10 @@ class TorchrunJob(Job):
                 detected.append(parsed[0])
         rendezvous = [t for t, _, _ in self._rounds(node) if t0 < t <= t1]
         return {"detected": detected, "rendezvous": rendezvous}
+
+
+# How long after a step line its beat may reach the daemon's log (s); beats are local datagrams.
+_BEAT_SLACK_S = 5.0
 
 
 def _stamp(event: dict[str, Any]) -> float:
@@ -604,10 +610,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         ratio = row["ratio_torchrun_over_elasticd"]
         cells += ["-" if ratio is None else "inf" if math.isinf(ratio) else f"{ratio:.1f}x", row["target"]]
         body.append(cells)
-    widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [head, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("")
+    lines = [text_table(head, body), ""]
     lines.append(
         f"x: did not recover within {RECOVERY_TIMEOUT_S:g} s or not measured; *: other processes used more than "
         f"{CONTENDED_CORES:g} cores around that sample"
@@ -625,17 +628,6 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 def _samples(values: Sequence[float | None], contended: Sequence[bool]) -> str:
     text = ("x" if v is None else f"{v:.1f}" for v in values)
     return ", ".join(t + ("*" if c else "") for t, c in zip(text, contended, strict=True))
-
-
-def machine() -> dict[str, Any]:
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": version("torch"),
-        "accelerate": version("accelerate"),
-        "backend": "gloo (CPU)",
-    }
 
 
 # -- command line --------------------------------------------------------------------------------------------
@@ -704,6 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "machine": machine(),
             "code": revision,
             "config": {
+                "backend": "gloo (CPU), one worker per node, 127.0.0.1",
                 "script_args": list(SCRIPT_ARGS),
                 "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
                 "min_nodes": MIN_NODES,
@@ -716,7 +709,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": rows,
             "samples": [asdict(s) for s in samples],
         }
-        args.json.write_text(json.dumps(_finite(report), indent=2) + "\n")
+        # A median or ratio over an unrecovered sample is infinite: null in the file, which stays strict JSON.
+        args.json.write_text(json.dumps(finite(report), indent=2) + "\n")
     if args.logs is None and not failed:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
@@ -726,17 +720,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with each infinite float (median or ratio over an unrecovered sample) as null: strict JSON."""
-    if isinstance(value, float) and math.isinf(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
 
 
 if __name__ == "__main__":

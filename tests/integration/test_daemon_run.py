@@ -210,3 +210,17 @@ def test_elasticd_etcd_on_a_busy_port_is_a_usage_error(tmp_path: Path) -> None:
         result = elasticd("etcd", "--port", str(port), cwd=tmp_path, timeout_s=30)
     assert result.returncode == 2
     assert result.stderr.strip() == f"elasticd: error: --port: port {port} on 127.0.0.1 is already in use"
+
+
+def test_plain_accelerate_script_without_the_library_runs_under_elasticd(tmp_path: Path) -> None:
+    plain = EXAMPLE.parent / "plain_train.py"
+    result = elasticd(
+        "start", "--nproc-per-node", "2", "--metrics-port", "0", "--log-format", "json", "--run-id", "plain",
+        str(plain), "--epochs", "1", "--dataset-size", "192", "--checkpoint-every", "2",
+        "--checkpoint-dir", str(tmp_path / "plain-ckpt"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"event": "step"')]
+    assert steps[-1]["step"] == 4  # 192 samples, global batch 48: accelerate's own loop on 2 gloo ranks
+    assert (tmp_path / "plain-ckpt" / "model.safetensors").exists()  # accelerate's save_state, as the script does
