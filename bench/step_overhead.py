@@ -50,6 +50,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/step_overhead.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.common import foreign_cores, foreign_cpu, wait_for_quiet
 from elasticd import envvars
 from elasticd.agent.beats import BeatReceiver
 
@@ -63,6 +64,10 @@ HIDDEN = {"sleep": 64, "matmul": 1024}  # MLP width for each compute mode (--hid
 # One (compute, ranks) run: 2 x (warmup + blocks x steps) steps of 20-35 ms plus ~10 s of startup, ~1.5 min.
 RUN_TIMEOUT_S = 600
 LOOPS = ("baseline", "elasticd")
+# Before each run, wait at most this long (s) for other processes to use under a quarter core; a run during which
+# they used more than CONTENDED_CORES cores on average is flagged: its overhead is mostly their noise.
+QUIET_TIMEOUT_S = 120.0
+CONTENDED_CORES = 0.25
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -220,6 +225,8 @@ def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path) -> d
     receiver = BeatReceiver(str(workdir / f"beats-{mode}-{ranks}.sock"))
     # One intra-op thread per process: ranks must not fight over the cores of a small machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), envvars.SOCKET: receiver.path}
+    cores_before = wait_for_quiet(QUIET_TIMEOUT_S)
+    others = foreign_cpu()
     started = time.monotonic()
     child = subprocess.Popen(command, env=env, start_new_session=True)
     try:
@@ -231,19 +238,23 @@ def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path) -> d
             child.wait()
         time.sleep(0.3)  # the receiver reads on a 200 ms timeout: let it drain the last beats
         receiver.close()
+    wall_s = time.monotonic() - started
+    cores_during = foreign_cores(others, foreign_cpu(), wall_s)
     sample = dict(json.loads(result.read_text()))
     beats = receiver.snapshot().beats
     # every rank sends one beat per step, plus hello and resumed
     expected = ranks * (sample["elasticd_steps"] + 2)
     if beats < expected:
         raise RuntimeError(f"the beat receiver got {beats} beats, expected {expected}: beats were not really sent")
-    sample.update(beats_received=beats, wall_s=time.monotonic() - started)
+    sample.update(beats_received=beats, wall_s=wall_s, foreign_cores_before=cores_before)
+    sample.update(foreign_cores_during=cores_during)
     return sample
 
 
 def summarize(sample: dict[str, Any]) -> dict[str, Any]:
     """Medians per loop, overheads, and the per-block samples."""
     keep = ("compute", "ranks", "micro_batch", "parameters", "sleep_s", "sync_interval_steps", "beats_received")
+    keep += ("wall_s", "foreign_cores_before", "foreign_cores_during")
     row: dict[str, Any] = {key: sample[key] for key in keep}
     for name in LOOPS:
         blocks = sample["samples"][name]
@@ -267,7 +278,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
     head = (
         f"{'compute':<7}  {'ranks':>5}  {'base_ms':>8}  {'elastic_ms':>10}  {'overhead':>8}  {'us/step':>7}  "
-        f"{'pairs_%':>13}  {'mean_base':>9}  {'mean_elastic':>12}  {'mean_over':>9}"
+        f"{'pairs_%':>13}  {'mean_base':>9}  {'mean_elastic':>12}  {'mean_over':>9}  {'others':>6}"
     )
     out = [head, "-" * len(head)]
     for row in rows:
@@ -276,10 +287,13 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             f"{row['compute']:<7}  {row['ranks']:>5}  {ms(row['baseline_median_s']):>8}  "
             f"{ms(row['elasticd_median_s']):>10}  {100 * row['overhead']:>7.2f}%  {row['overhead_us']:>7.0f}  "
             f"{f'{min(pairs):.2f}..{max(pairs):.2f}':>13}  {ms(row['baseline_block_mean_s']):>9}  "
-            f"{ms(row['elasticd_block_mean_s']):>12}  {100 * row['mean_overhead']:>8.2f}%"
+            f"{ms(row['elasticd_block_mean_s']):>12}  {100 * row['mean_overhead']:>8.2f}%  "
+            f"{row['foreign_cores_during']:>6.2f}"
         )
     for row in rows:
         verdict = "meets" if row["overhead"] <= TARGET_OVERHEAD else "misses"
+        if max(row["foreign_cores_before"], row["foreign_cores_during"]) > CONTENDED_CORES:
+            verdict += ", CONTENDED: other processes were busy, rerun on a quiet machine"
         out.append(
             f"{row['compute']}, {row['ranks']} rank(s): {row['parameters'] / 1e6:.2f}M parameters, micro-batch "
             f"{row['micro_batch']}, sync every {row['sync_interval_steps']} steps, {row['beats_received']} beats "
@@ -287,7 +301,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         )
     out.append(
         "base_ms/elastic_ms: median step (ms); pairs_%: overhead of each block pair's medians; mean_*: median of "
-        "block means (ms), which include once-every-few-steps costs"
+        "block means (ms), which include once-every-few-steps costs; others: cores other processes used meanwhile"
     )
     return "\n".join(out)
 
