@@ -224,7 +224,9 @@ class ElasticdAgent(LocalElasticAgent):
             self._registry.update(state="failed")
             self._stop_workers(worker_group)
             worker_group.state = WorkerState.FAILED
-            return result
+            # torch's run() records an event per worker: each must be a failure or a return value.
+            others = {w.global_rank: None for w in worker_group.workers if w.global_rank not in result.failures}
+            return RunResult(state=WorkerState.FAILED, failures=result.failures, return_values=others)
 
     def _checkpoint_first(self, worker_group: WorkerGroup, reason: str) -> None:
         """Before a planned change: ask the workers for a checkpoint and wait until every local one has saved it.

@@ -31,6 +31,7 @@ import numpy as np
 import structlog
 import torch
 
+from elasticd.errors import EXIT_USAGE, ConfigError
 from elasticd.logging import configure_logging, get_logger
 from elasticd.worker.batching import BatchPlan, plan_batches
 from elasticd.worker.beats import BeatClient
@@ -117,14 +118,19 @@ class Run:
     ) -> ElasticLoader:
         """A loader whose global batch stays ``global_batch_size`` at any world size (accumulation adapts)."""
         s = self.settings
-        plan = plan_batches(
-            global_batch_size,
-            micro_batch_size,
-            self.world_size,
-            nproc_per_node=s.nproc_per_node,
-            min_nodes=s.min_nodes,
-            max_nodes=s.max_nodes,
-        )
+        try:
+            plan = plan_batches(
+                global_batch_size,
+                micro_batch_size,
+                self.world_size,
+                nproc_per_node=s.nproc_per_node,
+                min_nodes=s.min_nodes,
+                max_nodes=s.max_nodes,
+            )
+        except ConfigError as exc:
+            # A restart would fail the same way: tell the daemon to stop the run with the usage exit code.
+            self.beats.send("fatal", reason="config", message=str(exc), exit_code=EXIT_USAGE)
+            raise TrainingStopped(f"elasticd: error: {exc}") from None
         self.plan = plan
         self._seed = seed
         self.accelerator.gradient_accumulation_steps = plan.accumulation

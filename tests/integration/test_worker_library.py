@@ -174,3 +174,19 @@ def test_persistent_nan_rolls_back_then_stops_with_exit_code_1(etcd, tmp_path: P
         assert "non-finite" in gave_up["message"] and "--on-nan rollback" in gave_up["message"]
         assert not a.events("restart")  # a fatal stop is not retried
         assert time.time() - a.started_at < 150
+
+
+def test_global_batch_that_cannot_split_stops_the_run_with_exit_2_and_the_sizes_that_fit(tmp_path: Path) -> None:
+    from tests.integration.test_daemon_run import EXAMPLE, elasticd
+
+    result = elasticd(
+        "start", "--nproc-per-node", "2", "--min-nodes", "1", "--max-nodes", "1", "--metrics-port", "0",
+        "--log-format", "json", "--run-id", "badbatch",
+        str(EXAMPLE), "--global-batch", "48", "--micro-batch", "5",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    gave_up = [e for e in events if e.get("event") == "gave_up"]
+    assert gave_up and "global batch 48" in gave_up[0]["message"] and "micro_batch_size" in gave_up[0]["message"]
+    assert not [e for e in events if e.get("event") == "restart"]  # a configuration error is not retried
