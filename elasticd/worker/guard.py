@@ -42,12 +42,15 @@ class _Counts:
 
 
 def grads_nonfinite(params: Iterable[torch.nn.Parameter]) -> tuple[bool, bool]:
-    """(any non-finite, any NaN) over the gradients, with one host sync."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """(any non-finite, any NaN) over the gradients: one fused max-norm over all of them, one host sync."""
+    grads = [p.grad.detach() for p in params if p.grad is not None]
     if not grads:
         return False, False
-    norms = torch.stack([g.detach().float().abs().amax() for g in grads])
-    return bool((~torch.isfinite(norms)).any()), bool(torch.isnan(norms).any())
+    # the inf-norm of a tensor is NaN if it holds a NaN and inf if it holds an inf (and no NaN)
+    total = torch.stack(torch._foreach_norm(grads, float("inf"))).float().sum()
+    if bool(torch.isfinite(total)):
+        return False, False
+    return True, bool(torch.isnan(total))
 
 
 class NonFiniteGuard:
