@@ -13,9 +13,11 @@ LambdaLR (prepared by the accelerator) over the same map-style synthetic dataset
   ``BeatReceiver`` in the benchmark process stands in for the daemon (``ELASTICD_SOCKET``), so beats really leave
   the worker; checkpoints are off (``WorkerSettings(every_steps=0)``) in a temporary directory.
 
-Compute per step (``--compute``): ``sleep`` adds ``time.sleep(0.02)`` to a tiny MLP (the most stable stand-in for
-20 ms of work on a small noisy machine); ``matmul`` has no sleep but an MLP (``--hidden`` wide, 2.1M parameters by
-default) whose forward, backward and AdamW take about 20 ms on one core. Each mode runs as 1 process and as 2 gloo
+A sample is a sequence of 16 tokens of 16 features; the MLP applies to every token, a micro-batch is 32
+sequences. Compute per step (``--compute``): ``sleep`` adds ``time.sleep(0.02)`` to a tiny MLP (the most stable
+stand-in for 20 ms of work on a small noisy machine); ``matmul`` has no sleep but an MLP ``--hidden`` wide (0.47M
+parameters by default) whose forward, backward and AdamW take about 20 ms on one core (wider and memory-bound, the
+step time of this VM swings by +-15 %; this size stays compute-bound). Each mode runs as 1 process and as 2 gloo
 ranks under ``torchrun --standalone`` (``OMP_NUM_THREADS=1`` everywhere), so the DDP gradient all-reduce is in both
 loops and the coordinator's periodic all-reduce in elasticd's.
 
@@ -24,9 +26,17 @@ order (baseline first, then elasticd first, ...), so that drift of the machine h
 the wall time between the ends of two consecutive steps on rank 0 (data loading included). Reported per loop: the
 median step, the median of block means (which, unlike the median step, includes costs paid once every few steps,
 such as the coordinator's all-reduce), and overhead = median elasticd / median baseline - 1 (target: at most 1 %),
-in percent and in microseconds per step.
+in percent and in microseconds per step; ``pairs`` gives the overhead of each adjacent pair of blocks, whose spread
+is the noise of the machine.
 
-    python bench/step_overhead.py [--compute sleep matmul] [--ranks 1 2] [--blocks 5] [--steps 200] [--json OUT]
+Workers run a copy of ``elasticd/`` and ``bench/`` taken when the benchmark starts (others edit the tree meanwhile);
+the JSON records the commit. Before each run the benchmark waits for other processes to go quiet, and measures what
+everything else used during it (``others``, in cores); a run above a quarter core is measured once more.
+``--breakdown`` also times the parts of elasticd's step in place (timers wrapped around library functions, which
+cost some microseconds each: take the overhead itself from a run without it).
+
+    python bench/step_overhead.py [--compute sleep matmul] [--ranks 1 2] [--blocks 5] [--steps 200] [--breakdown]
+                                  [--json OUT]
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import signal
 import statistics
@@ -50,22 +61,23 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/step_overhead.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import foreign_cores, foreign_cpu, wait_for_quiet
+from bench.common import code_revision, snapshot_code, wait_for_quiet
 from elasticd import envvars
 from elasticd.agent.beats import BeatReceiver
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_OVERHEAD = 0.01  # elasticd's median step over the baseline's, minus 1
 SLEEP_S = 0.02  # stand-in compute per optimizer step in --compute sleep
-FEATURES = 16  # inputs per sample; the dataset stays a few MB whatever the model
-# Samples per micro-batch for each compute mode: 32 for the tiny MLP, 64 to bring the wide one to ~20 ms per step.
-MICRO_BATCH = {"sleep": 32, "matmul": 64}
-HIDDEN = {"sleep": 64, "matmul": 1024}  # MLP width for each compute mode (--hidden overrides matmul's)
+FEATURES, SEQUENCE = 16, 16  # a sample: SEQUENCE tokens of FEATURES inputs each
+MICRO_BATCH = 32  # sequences per micro-batch, per rank (512 tokens)
+DISTINCT = 4096  # sequences actually stored: sample i is sequence i % DISTINCT (a few MB whatever the step count)
+HIDDEN = {"sleep": 64, "matmul": 480}  # MLP width for each compute mode (--hidden overrides matmul's)
 # One (compute, ranks) run: 2 x (warmup + blocks x steps) steps of 20-35 ms plus ~10 s of startup, ~1.5 min.
 RUN_TIMEOUT_S = 600
 LOOPS = ("baseline", "elasticd")
-# Before each run, wait at most this long (s) for other processes to use under a quarter core; a run during which
-# they used more than CONTENDED_CORES cores on average is flagged: its overhead is mostly their noise.
+# Before each run, wait at most this long (s) for other processes to use under a quarter core. A run during which
+# anything else (other processes, the host's steal) used more than CONTENDED_CORES cores on average is run once
+# more, and flagged if that one is contended too: its overhead would be mostly their noise.
 QUIET_TIMEOUT_S = 120.0
 CONTENDED_CORES = 0.25
 
@@ -78,6 +90,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="optimizer steps per block")
     parser.add_argument("--warmup", type=int, default=50, help="unmeasured steps of each loop first")
     parser.add_argument("--hidden", type=int, default=HIDDEN["matmul"], help="MLP width in --compute matmul")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the pieces of a step (their timers inflate the overhead: read it from a run without)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: result file of one run
     parser.add_argument("--mode", choices=["sleep", "matmul"], help=argparse.SUPPRESS)  # internal: the child's
@@ -86,6 +103,38 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # -- the worker: one (compute, ranks) run, under torchrun when ranks > 1 ---------------------------------------------
+
+
+def instrument(pieces: dict[str, list[float]]) -> None:
+    """Wrap the parts of elasticd's step in timers that append their wall times (s) to ``pieces``, by name."""
+    from elasticd.worker import guard
+    from elasticd.worker.beats import BeatClient
+    from elasticd.worker.coordination import Coordinator
+    from elasticd.worker.run import Run
+    from elasticd.worker.sampler import ElasticSampler
+    from elasticd.worker.state import TrainingState
+
+    def wrap(owner: Any, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                pieces.setdefault(name, []).append(time.perf_counter() - start)
+
+        setattr(owner, attribute, timed)
+
+    # guarded_step looks grads_nonfinite up in its module at every call
+    wrap(guard, "grads_nonfinite", "guard: grads_nonfinite (in optimizer.step)")
+    wrap(Run, "step", "run.step, all of it")
+    wrap(BeatClient, "send", "run.step: beat send")
+    wrap(TrainingState, "advanced", "run.step: state.advanced")
+    wrap(Run, "_loss_value", "run.step: loss.item()")
+    wrap(Coordinator, "at_step", "run.step: coordinator.at_step")
+    wrap(Coordinator, "_agree", "coordinator all-reduce (at sync steps)")
+    wrap(ElasticSampler, "_step", "batches: sampler step slice")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -98,18 +147,20 @@ def worker(args: argparse.Namespace) -> None:
     from elasticd.worker.settings import WorkerSettings
 
     class Synthetic(Dataset[dict[str, torch.Tensor]]):
-        """``size`` samples of y = x . w + noise, drawn once up front: __getitem__ is two indexings."""
+        """``size`` sequences of y = x . w + noise, DISTINCT of them drawn up front: __getitem__ is two indexings."""
 
         def __init__(self, size: int) -> None:
             g = torch.Generator().manual_seed(0)
-            self.x = torch.randn(size, FEATURES, generator=g)
-            self.y = self.x @ torch.linspace(-1.0, 1.0, FEATURES).unsqueeze(1) + 0.01 * torch.randn(size, 1)
+            self.size = size
+            self.x = torch.randn(DISTINCT, SEQUENCE, FEATURES, generator=g)
+            noise = 0.01 * torch.randn(DISTINCT, SEQUENCE, 1, generator=g)
+            self.y = self.x @ torch.linspace(-1.0, 1.0, FEATURES).unsqueeze(1) + noise
 
         def __len__(self) -> int:
-            return len(self.x)
+            return self.size
 
         def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            return {"x": self.x[i], "y": self.y[i]}
+            return {"x": self.x[i % DISTINCT], "y": self.y[i % DISTINCT]}
 
     def make_model() -> torch.nn.Module:
         torch.manual_seed(0)  # both loops start from the same weights
@@ -125,8 +176,11 @@ def worker(args: argparse.Namespace) -> None:
         return model, optimizer, scheduler
 
     sleep_s = SLEEP_S if args.mode == "sleep" else 0.0
+    pieces: dict[str, list[float]] = {}
+    if args.breakdown:
+        instrument(pieces)
     accelerator = Accelerator(cpu=True)  # a CPU-only host ignores WORLD_SIZE without cpu=True
-    world, micro = accelerator.num_processes, MICRO_BATCH[args.mode]
+    world, micro = accelerator.num_processes, MICRO_BATCH
     settings = WorkerSettings(
         run_id="bench",
         checkpoint_dir=args.dir,
@@ -148,13 +202,20 @@ def worker(args: argparse.Namespace) -> None:
 
     def train_step(model: Any, optimizer: Any, scheduler: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with accelerator.accumulate(model):
+            start = time.perf_counter()
             loss = ((model(batch["x"]) - batch["y"]) ** 2).mean()
-            accelerator.backward(loss)
+            accelerator.backward(loss)  # with 2 ranks: DDP's all-reduce, which waits for the slower rank
+            backward = time.perf_counter()
             optimizer.step()
+            stepped = time.perf_counter()
             scheduler.step()
             optimizer.zero_grad()
         if sleep_s:
             time.sleep(sleep_s)
+        if args.breakdown:
+            name = "baseline" if model is model_b else "elasticd"
+            pieces.setdefault(f"{name}: forward + backward", []).append(backward - start)
+            pieces.setdefault(f"{name}: optimizer.step", []).append(stepped - backward)
         return loss
 
     def baseline_step(batch: dict[str, torch.Tensor]) -> None:
@@ -184,14 +245,19 @@ def worker(args: argparse.Namespace) -> None:
         times_s: list[float] = []
         last = time.perf_counter()
         for _ in range(steps):
-            one_step(next(batches))
+            batch = next(batches)
+            fetched = time.perf_counter()
+            one_step(batch)
             now = time.perf_counter()
             times_s.append(now - last)
+            if args.breakdown:
+                pieces.setdefault(f"{name}: next(batches)", []).append(fetched - last)
             last = now
         return times_s
 
     for name in LOOPS:
         block(name, args.warmup)
+    pieces.clear()
     samples: dict[str, list[list[float]]] = {name: [] for name in LOOPS}
     for index in range(args.blocks):
         for name in LOOPS if index % 2 == 0 else LOOPS[::-1]:
@@ -202,11 +268,14 @@ def worker(args: argparse.Namespace) -> None:
             "compute": args.mode,
             "ranks": world,
             "micro_batch": micro,
+            "hidden": args.hidden if args.mode == "matmul" else HIDDEN["sleep"],
             "parameters": sum(p.numel() for p in model_b.parameters()),
             "sleep_s": sleep_s,
             "sync_interval_steps": run.coordinator.interval,
             "elasticd_steps": run.state.step,
             "samples": samples,
+            # per piece: (median, mean) in s, and the number of calls
+            "pieces": {k: (statistics.median(v), statistics.fmean(v), len(v)) for k, v in sorted(pieces.items())},
         }
         args.worker.write_text(json.dumps(result))
     accelerator.end_training()
@@ -215,18 +284,49 @@ def worker(args: argparse.Namespace) -> None:
 # -- the driver: one child process tree per (compute, ranks), a beat receiver standing in for the daemon ----------
 
 
-def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path) -> dict[str, Any]:
-    """Measure ``mode`` at ``ranks`` processes in a child process tree; killed as a whole past RUN_TIMEOUT_S."""
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU s used by the whole machine, all cores, steal included; CPU s used by this process and its reaped
+    descendants): between two calls after the run's processes are reaped, the difference is everyone else's."""
+    import psutil
+
+    t = psutil.cpu_times()
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours = me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+    return t.user + t.nice + t.system + t.irq + t.softirq + t.steal, ours
+
+
+def freeze_code(dest: Path) -> Path:
+    """Copy ``elasticd/``, ``examples/`` and ``bench/`` to ``dest``: others edit the tree during the minutes a run
+    takes, and every worker must run the code as it was when the benchmark began. Returns the worker script."""
+    snapshot_code(dest)
+    shutil.copytree(REPO_ROOT / "bench", dest / "bench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return dest / "bench" / Path(__file__).name
+
+
+def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path, script: Path) -> dict[str, Any]:
+    """:func:`run_once`, once more if others used the machine meanwhile (see CONTENDED_CORES)."""
+    sample = run_once(args, mode, ranks, workdir, script)
+    if max(sample["foreign_cores_before"], sample["foreign_cores_during"]) <= CONTENDED_CORES:
+        return sample
+    print(f"{mode} at {ranks} ranks: others used {sample['foreign_cores_during']:.2f} cores, measuring again")
+    return run_once(args, mode, ranks, workdir, script)
+
+
+def run_once(args: argparse.Namespace, mode: str, ranks: int, workdir: Path, script: Path) -> dict[str, Any]:
+    """Measure ``mode`` at ``ranks`` processes in a child process tree running ``script`` (a frozen copy of this
+    file, see :func:`freeze_code`); the tree is killed as a whole past RUN_TIMEOUT_S."""
     result = workdir / f"result-{mode}-{ranks}.json"
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-    command = [sys.executable, *launcher, str(Path(__file__).resolve()), "--worker", str(result), "--mode", mode]
+    command = [sys.executable, *launcher, str(script), "--worker", str(result), "--mode", mode]
     command += ["--dir", str(workdir / f"checkpoints-{mode}-{ranks}"), "--hidden", str(args.hidden)]
     command += ["--blocks", str(args.blocks), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += ["--breakdown"] if args.breakdown else []
     receiver = BeatReceiver(str(workdir / f"beats-{mode}-{ranks}.sock"))
     # One intra-op thread per process: ranks must not fight over the cores of a small machine.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), envvars.SOCKET: receiver.path}
+    code = str(script.parent.parent)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": code, envvars.SOCKET: receiver.path}
     cores_before = wait_for_quiet(QUIET_TIMEOUT_S)
-    others = foreign_cpu()
+    machine_before, ours_before = cpu_seconds()
     started = time.monotonic()
     child = subprocess.Popen(command, env=env, start_new_session=True)
     try:
@@ -239,13 +339,13 @@ def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path) -> d
         time.sleep(0.3)  # the receiver reads on a 200 ms timeout: let it drain the last beats
         receiver.close()
     wall_s = time.monotonic() - started
-    cores_during = foreign_cores(others, foreign_cpu(), wall_s)
+    machine_after, ours_after = cpu_seconds()
+    cores_during = max(0.0, (machine_after - machine_before) - (ours_after - ours_before)) / wall_s
     sample = dict(json.loads(result.read_text()))
     beats = receiver.snapshot().beats
-    # every rank sends one beat per step, plus hello and resumed
-    expected = ranks * (sample["elasticd_steps"] + 2)
-    if beats < expected:
-        raise RuntimeError(f"the beat receiver got {beats} beats, expected {expected}: beats were not really sent")
+    # every rank sends hello and resumed, then step beats (how often is the library's choice: at least one)
+    if beats < 3 * ranks:
+        raise RuntimeError(f"the beat receiver got {beats} beats from {ranks} ranks: beats were not really sent")
     sample.update(beats_received=beats, wall_s=wall_s, foreign_cores_before=cores_before)
     sample.update(foreign_cores_during=cores_during)
     return sample
@@ -253,8 +353,8 @@ def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path) -> d
 
 def summarize(sample: dict[str, Any]) -> dict[str, Any]:
     """Medians per loop, overheads, and the per-block samples."""
-    keep = ("compute", "ranks", "micro_batch", "parameters", "sleep_s", "sync_interval_steps", "beats_received")
-    keep += ("wall_s", "foreign_cores_before", "foreign_cores_during")
+    keep = ["compute", "ranks", "micro_batch", "hidden", "parameters", "sleep_s", "sync_interval_steps"]
+    keep += ["beats_received", "wall_s", "foreign_cores_before", "foreign_cores_during"]
     row: dict[str, Any] = {key: sample[key] for key in keep}
     for name in LOOPS:
         blocks = sample["samples"][name]
@@ -268,6 +368,7 @@ def summarize(sample: dict[str, Any]) -> dict[str, Any]:
     # Block i of one loop against block i of the other (adjacent in time): the spread says how noisy the machine was.
     pairs = zip(row["elasticd_block_medians_s"], row["baseline_block_medians_s"], strict=True)
     row["pair_overheads"] = [e / b - 1 for e, b in pairs]
+    row["pieces"] = sample["pieces"]
     row["samples"] = sample["samples"]
     return row
 
@@ -292,17 +393,22 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
         )
     for row in rows:
         verdict = "meets" if row["overhead"] <= TARGET_OVERHEAD else "misses"
-        if max(row["foreign_cores_before"], row["foreign_cores_during"]) > CONTENDED_CORES:
-            verdict += ", CONTENDED: other processes were busy, rerun on a quiet machine"
-        out.append(
-            f"{row['compute']}, {row['ranks']} rank(s): {row['parameters'] / 1e6:.2f}M parameters, micro-batch "
-            f"{row['micro_batch']}, sync every {row['sync_interval_steps']} steps, {row['beats_received']} beats "
-            f"received; overhead {100 * row['overhead']:.2f} % ({verdict} the {100 * TARGET_OVERHEAD:.0f} % target)"
-        )
+        contended = max(row["foreign_cores_before"], row["foreign_cores_during"]) > CONTENDED_CORES
+        model = f"{row['parameters'] / 1e6:.2f}M parameters (width {row['hidden']})"
+        batch = f"micro-batch {row['micro_batch']}x{SEQUENCE}"
+        sync = f"sync every {row['sync_interval_steps']} steps, {row['beats_received']} beats received"
+        result = f"overhead {100 * row['overhead']:.2f} % ({verdict} the {100 * TARGET_OVERHEAD:.0f} % target)"
+        warning = "; CONTENDED: other processes were busy, rerun on a quiet machine" if contended else ""
+        out.append(f"{row['compute']}, {row['ranks']} rank(s): {model}, {batch}, {sync}; {result}{warning}")
     out.append(
         "base_ms/elastic_ms: median step (ms); pairs_%: overhead of each block pair's medians; mean_*: median of "
         "block means (ms), which include once-every-few-steps costs; others: cores other processes used meanwhile"
     )
+    for row in rows:
+        if row["pieces"]:
+            out.append(f"\nbreakdown, {row['compute']}, {row['ranks']} rank(s), rank 0 (us per call; timers included):")
+            for name, (median_s, mean_s, calls) in row["pieces"].items():
+                out.append(f"  {name:<44} median {median_s * 1e6:8.1f}  mean {mean_s * 1e6:8.1f}  calls {calls:>5}")
     return "\n".join(out)
 
 
@@ -313,11 +419,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # Under /tmp: a Unix socket path must stay under 108 bytes.
     workdir = Path(tempfile.mkdtemp(prefix="elasticd-bench-step-"))
+    revision = code_revision()
     try:
-        rows = [summarize(run_one(args, mode, ranks, workdir)) for mode in args.compute for ranks in args.ranks]
+        script = freeze_code(workdir / "code")
+        rows = [summarize(run_one(args, mode, ranks, workdir, script)) for mode in args.compute for ranks in args.ranks]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(render(rows))
+    dirty = " plus uncommitted changes to elasticd/ or examples/" if revision["uncommitted_changes"] else ""
+    print(f"code: commit {revision['commit']}{dirty}")
     if args.json is not None:
         machine = {
             "python": platform.python_version(),
@@ -327,7 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "platform": platform.platform(),
         }
         settings = {"blocks": args.blocks, "steps": args.steps, "warmup": args.warmup, "sleep_s": SLEEP_S}
-        args.json.write_text(json.dumps({"machine": machine, "settings": settings, "results": rows}, indent=1))
+        report = {"machine": machine, "code": revision, "settings": settings, "results": rows}
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 
