@@ -87,7 +87,7 @@ class ProgressTracker:
         now = self._clock()
         # Every local rank times the same optimizer step; one sample per node keeps the histogram a node's view.
         if beat.get("local_rank", 0) == 0 and isinstance(beat.get("step_time_s"), int | float):
-            # beats come at most every 50 ms: step times are sampled, the training time since the last beat is whole
+            # beats come at most every 250 ms: step times are sampled, the training time since the last beat is whole
             m.step_duration_seconds.observe(beat["step_time_s"])
             with self._lock:
                 self._productive_s += float(beat.get("train_s", beat["step_time_s"]))

@@ -1,7 +1,7 @@
 """Progress beats from a worker to its node's daemon, over a Unix datagram socket that never blocks a step.
 
 A beat is one JSON datagram: ``{"kind": "step", "rank", "step", "loss", "samples", "step_time_s", "train_s", "phase",
-"ts"}``; step beats come at most every 50 ms (``samples`` and ``train_s`` add up the steps since the last one).
+"ts"}``; step beats come at most every 250 ms (``samples`` and ``train_s`` add up the steps since the last one).
 Sending is fire-and-forget: a full socket buffer, a missing daemon or a closed socket drops the beat and training
 goes on. Without ``ELASTICD_SOCKET`` (plain ``python`` or ``accelerate launch``) :meth:`BeatClient.from_env`
 returns a client whose ``send`` does nothing.

@@ -49,8 +49,8 @@ from elasticd.worker.state import TrainingState
 # the change was called off (its daemon died, say) and training goes on.
 PARK_TIMEOUT_S = 120.0
 # Seconds between two step beats: steps shorter than this are reported in batches (the samples add up), so a 20 ms
-# step pays for a beat (~0.1 ms) and a loss.item() (a device sync on a GPU) only every few steps.
-BEAT_INTERVAL_S = 0.05
+# step pays for a beat (~0.1 ms) and a loss.item() (a device sync on a GPU) only every dozen steps.
+BEAT_INTERVAL_S = 0.25
 
 
 class TrainingStopped(SystemExit):
