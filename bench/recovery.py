@@ -31,6 +31,7 @@ step), from the daemons' JSON events (elasticd) or torch's log lines (torchrun, 
 
 from __future__ import annotations
 
+import abc
 import argparse
 import json
 import math
@@ -147,7 +148,7 @@ class Sample:
 # -- the two systems -----------------------------------------------------------------------------------------
 
 
-class Job:
+class Job(abc.ABC):
     """One run of the 3-node job under one system; subclasses say how a node is started and read."""
 
     system = ""
@@ -158,8 +159,9 @@ class Job:
         self.checkpoint_dir = checkpoint_dir
         self.script = script
 
+    @abc.abstractmethod
     def command(self, name: str) -> list[str]:
-        raise NotImplementedError
+        """The node's command line."""
 
     def env(self) -> dict[str, str]:
         return {}
@@ -173,13 +175,13 @@ class Job:
         for _ in range(MIN_NODES):
             self.start_node()
 
+    @abc.abstractmethod
     def last_group_rank(self, node: Node) -> tuple[int, int, int] | None:
         """(round or 0, group rank, world size) of the node's last completed rendezvous."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def phase_times(self, node: Node, t0: float, t1: float) -> dict[str, list[float]]:
         """Unix times of the node's phase ends in (t0, t1]: 'detected', 'rendezvous', 'workers_started'."""
-        raise NotImplementedError
 
     def killable(self, name: str) -> bool:
         return True
