@@ -90,7 +90,10 @@ class Coordinator:
     def _wanted_interval(self) -> int:
         if self._step_time_s <= 0:
             return 1
-        return max(1, min(MAX_INTERVAL_STEPS, int(TARGET_SYNC_S / self._step_time_s)))
+        wanted = int(TARGET_SYNC_S / self._step_time_s)
+        # grow at most 2x per sync point: the first steps' times (cut short, or warming up) must not set a long
+        # interval on their own, which would delay every request by that many steps
+        return max(1, min(MAX_INTERVAL_STEPS, wanted, 2 * self.interval))
 
     def _agree(self, requested: bool, time_due: bool, interval: int) -> tuple[bool, bool, int]:
         """Any rank's request counts; rank 0's clock and interval count (so every rank agrees on both).
