@@ -49,7 +49,9 @@ WORKER = textwrap.dedent(
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     def emit(**fields):
-        print(json.dumps({"rank": rank, **fields}), flush=True)
+        # one write per line: both ranks share this file, and print() writes the newline separately
+        sys.stdout.write(json.dumps({"rank": rank, **fields}) + chr(10))
+        sys.stdout.flush()
 
     def train(steps=1):
         for _ in range(steps):
