@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
+import subprocess
+
+import psutil
 
 # Generous: the test machine has 2 cores shared with other test runs; etcd alone starts in ~0.2 s.
 ETCD_READY_TIMEOUT_S = 30.0
@@ -13,3 +19,19 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def kill_tree(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process started with ``start_new_session`` and everything below it.
+
+    Killing its process group is not enough: torchrun starts each worker in a session of its own.
+    """
+    if process.poll() is not None:
+        return
+    tree = psutil.Process(process.pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    process.wait(timeout=30)

@@ -19,6 +19,7 @@ import pytest
 
 from elasticd.worker.checkpoints import MANIFEST, CheckpointStore
 from elasticd.worker.saver import WRITTEN
+from tests.helpers import kill_tree
 
 pytestmark = pytest.mark.integration
 
@@ -141,9 +142,7 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for process in started:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the group is torchrun and its workers
-            process.wait(timeout=30)
+        kill_tree(process)
 
 
 def start(tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str, ranks: int = 2) -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,7 @@ from elasticd import envvars
 from elasticd.errors import ConfigError, EtcdUnavailableError
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.rendezvous import handler as rdzv
-from tests.helpers import free_port
+from tests.helpers import free_port, kill_tree
 
 pytestmark = pytest.mark.integration
 
@@ -54,9 +53,7 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for process in started:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # start_new_session: the group is this process and its children
-            process.wait(timeout=30)
+        kill_tree(process)
 
 
 def test_two_handlers_form_a_round_with_fresh_worker_store_and_report_round_and_participants(
