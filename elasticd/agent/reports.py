@@ -28,7 +28,6 @@ class WorkerReports:
         self._saved: dict[int, int] = {}
         self._fatal: Fatal | None = None
         self.last_step: int | None = None
-        self.resumed_step: int | None = None
 
     def reset(self, local_ranks: set[int]) -> None:
         with self._lock:
@@ -36,7 +35,6 @@ class WorkerReports:
             self._capable.clear()
             self._saved.clear()
             self._fatal = None
-            self.resumed_step = None
 
     def on_beat(self, beat: dict[str, Any]) -> None:
         kind = beat.get("kind")
@@ -52,8 +50,6 @@ class WorkerReports:
                 )
             elif kind == "step" and isinstance(beat.get("step"), int):
                 self.last_step = beat["step"]
-            elif kind == "resumed" and isinstance(beat.get("step"), int):
-                self.resumed_step = beat["step"]
 
     def all_capable(self) -> bool:
         with self._lock:
@@ -62,10 +58,6 @@ class WorkerReports:
     def all_saved(self) -> bool:
         with self._lock:
             return bool(self._local_ranks) and self._local_ranks <= set(self._saved)
-
-    def any_saved(self) -> bool:
-        with self._lock:
-            return bool(self._saved)
 
     def saved_step(self) -> int | None:
         with self._lock:

@@ -94,7 +94,6 @@ class Run:
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
         self.plan: BatchPlan | None = None
         self._seed = 0
-        self._model: Any = None
         self._micro = 0
         self._slice: StepSlice | None = None
         self._bad: list[tuple[int, int]] = []  # (epoch, position) of the current run of skipped steps
@@ -145,7 +144,6 @@ class Run:
 
     def resume(self, model: Any, optimizer: Any, scheduler: Any = None) -> TrainingState:
         """Load the newest committed checkpoint that verifies (a no-op on a fresh run) and arm the guard."""
-        self._model = model
         self.guard.install(optimizer, model.parameters)
         if scheduler is not None:
             # once per optimizer step whatever the world size (accelerate would step it W times)
