@@ -44,6 +44,8 @@ class Metrics:
     step_duration_seconds: Histogram
     last_progress_timestamp_seconds: Gauge
     hangs_total: Counter
+    hang_timeout_seconds: Gauge
+    stragglers_total: Counter
     nonfinite_steps_total: Counter
     checkpoint_duration_seconds: Histogram
     checkpoint_last_step: Gauge
@@ -80,6 +82,12 @@ class Metrics:
                 "elasticd_last_progress_timestamp_seconds", "Unix time of the last completed step.", **kw
             ),
             hangs_total=Counter("elasticd_hangs", "Hangs detected.", **kw),
+            hang_timeout_seconds=Gauge(
+                "elasticd_hang_timeout_seconds", "No-progress timeout in force (fixed, or learned by auto).", **kw
+            ),
+            stragglers_total=Counter(
+                "elasticd_stragglers", "Ranks reported slower than the group median for a sustained window.", **kw
+            ),
             nonfinite_steps_total=Counter(
                 "elasticd_nonfinite_steps", "Non-finite loss or gradient events by action.", ["action"], **kw
             ),
