@@ -34,6 +34,8 @@ class Metrics:
     registry: CollectorRegistry
     info: Gauge
     nodes: Gauge
+    min_nodes: Gauge
+    max_nodes: Gauge
     world_size: Gauge
     rendezvous_total: Counter
     rendezvous_duration_seconds: Histogram
@@ -57,13 +59,25 @@ class Metrics:
     etcd_errors_total: Counter
 
     @classmethod
-    def create(cls, registry: CollectorRegistry | None = None, *, version: str = "", node: str = "") -> Metrics:
+    def create(
+        cls,
+        registry: CollectorRegistry | None = None,
+        *,
+        version: str = "",
+        node: str = "",
+        min_nodes: int = 0,
+        max_nodes: int = 0,
+    ) -> Metrics:
+        """All metrics on ``registry``; ``min_nodes``/``max_nodes`` are the configured elastic range (0: unknown)."""
         reg = registry if registry is not None else CollectorRegistry()
         kw: dict[str, Any] = {"registry": reg}
         m = cls(
             registry=reg,
             info=Gauge("elasticd_info", "Always 1; labels carry the version and node.", ["version", "node"], **kw),
             nodes=Gauge("elasticd_nodes", "Nodes in the current rendezvous round.", **kw),
+            # The elastic range as configured, so that dashboards and alerts compare elasticd_nodes against it.
+            min_nodes=Gauge("elasticd_min_nodes", "Fewest nodes the run trains with (--min-nodes).", **kw),
+            max_nodes=Gauge("elasticd_max_nodes", "Most nodes the run grows to (--max-nodes).", **kw),
             world_size=Gauge("elasticd_world_size", "Workers in the current rendezvous round.", **kw),
             rendezvous_total=Counter("elasticd_rendezvous", "Completed rendezvous rounds.", **kw),
             rendezvous_duration_seconds=Histogram(
@@ -118,6 +132,8 @@ class Metrics:
             etcd_errors_total=Counter("elasticd_etcd_errors", "Failed etcd calls.", **kw),
         )
         m.info.labels(version=version, node=node).set(1)
+        m.min_nodes.set(min_nodes)
+        m.max_nodes.set(max_nodes)
         for reason in RESTART_REASONS:
             m.worker_restarts_total.labels(reason=reason)
         for action in NONFINITE_ACTIONS:
