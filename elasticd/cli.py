@@ -87,7 +87,17 @@ def cli() -> None:
 @_option("--checkpoint-every-steps", type=int, default=100, help="0 disables step-based checkpoints.")
 @_option("--checkpoint-every-seconds", type=float, default=0.0, help="0 disables time-based checkpoints.")
 @_option("--keep-checkpoints", type=int, default=3, help="Committed checkpoints kept.")
-@_option("--hang-timeout", default="auto", help="No-progress timeout in seconds, or 'auto'.")
+@_option("--hang-timeout", default="auto", help="No-progress timeout in seconds, or 'auto' (learned from step times).")
+@_option("--hang-attempts", type=int, default=3, help="Exit 1 when one step hangs this many times in a row.")
+@_option(
+    "--startup-timeout",
+    "startup_timeout_s",
+    type=float,
+    default=600.0,
+    help="Seconds allowed for start-up to the first step, and for each checkpoint save or load.",
+)
+@_option("--straggler-factor", type=float, default=1.5, help="Report a rank this much slower than the others; 0: off.")
+@_option("--straggler-window", "straggler_window_s", type=float, default=30.0, help="Seconds a straggler must last.")
 @_option("--on-nan", type=click.Choice(["skip", "rollback", "stop"]), default="rollback")
 @_option("--max-restarts", type=int, default=20, help="Worker-group restarts on failure (torchrun's meaning).")
 @_option("--monitor-interval", "monitor_interval_s", type=float, default=0.1, help="Worker poll, seconds.")

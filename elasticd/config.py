@@ -52,6 +52,10 @@ class StartConfig:
     checkpoint_every_seconds: float = 0.0
     keep_checkpoints: int = 3
     hang_timeout_s: float | None = None  # None: "auto"
+    hang_attempts: int = 3  # the same step hanging this many times in a row stops the run (exit 1)
+    startup_timeout_s: float = 600.0  # start-up, checkpoint save/load and first-step allowance of the watchdog
+    straggler_factor: float = 1.5  # 0 disables straggler reports
+    straggler_window_s: float = 30.0
     on_nan: OnNan = "rollback"
     max_restarts: int = 20
     monitor_interval_s: float = 0.1
@@ -164,6 +168,18 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
     monitor = float(str(values["monitor_interval_s"]))
     if monitor <= 0:
         raise ConfigError("--monitor-interval", f"must be > 0 seconds, got {monitor}")
+    hang_attempts = int(str(values.get("hang_attempts", 3)))
+    if hang_attempts < 1:
+        raise ConfigError("--hang-attempts", f"must be >= 1, got {hang_attempts}")
+    startup = float(str(values.get("startup_timeout_s", 600.0)))
+    if startup <= 0:
+        raise ConfigError("--startup-timeout", f"must be > 0 seconds, got {startup}")
+    straggler_factor = float(str(values.get("straggler_factor", 1.5)))
+    if straggler_factor != 0 and straggler_factor <= 1:
+        raise ConfigError("--straggler-factor", f"must be > 1 (or 0 to disable), got {straggler_factor}")
+    straggler_window = float(str(values.get("straggler_window_s", 30.0)))
+    if straggler_window <= 0:
+        raise ConfigError("--straggler-window", f"must be > 0 seconds, got {straggler_window}")
     connect = float(str(values["etcd_connect_timeout_s"]))
     if connect <= 0:
         raise ConfigError("--etcd-connect-timeout", f"must be > 0 seconds, got {connect}")
@@ -184,6 +200,10 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
         checkpoint_every_seconds=every_seconds,
         keep_checkpoints=keep,
         hang_timeout_s=parse_hang_timeout(str(values["hang_timeout"])),
+        hang_attempts=hang_attempts,
+        startup_timeout_s=startup,
+        straggler_factor=straggler_factor,
+        straggler_window_s=straggler_window,
         on_nan=str(values["on_nan"]),  # type: ignore[arg-type]  # click.Choice checked it
         max_restarts=max_restarts,
         monitor_interval_s=monitor,

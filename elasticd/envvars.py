@@ -20,6 +20,9 @@ ASYNC_CHECKPOINTS = "ELASTICD_ASYNC_CHECKPOINTS"
 ETCD = "ELASTICD_ETCD"
 MIN_NODES = "ELASTICD_MIN_NODES"
 MAX_NODES = "ELASTICD_MAX_NODES"
+# Directory of the progress board (elasticd/board.py): a shared-memory slot per local worker, and where a worker
+# writes its stacks and flight-recorder dump when its daemon suspects a hang.
+BOARD = "ELASTICD_BOARD"
 # The rendezvous round the workers were started in; a checkpoint writer from an older round is fenced off.
 ROUND = "ELASTICD_ROUND"
 # Test-only fault injection (documented as a testing aid in docs/testing.md).

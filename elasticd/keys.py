@@ -73,3 +73,15 @@ class RunKeys:
 
     def control(self, name: str) -> str:
         return f"{self.control_prefix}{name}"
+
+    @property
+    def hang_prefix(self) -> str:
+        """Hang diagnoses: ``hang/round-<n>/{claim,summary,nodes/<node>}`` and ``hang/last`` (repeat counting)."""
+        return f"{self.prefix}hang/"
+
+    def hang_round(self, round_: int) -> str:
+        return f"{self.hang_prefix}round-{round_}/"
+
+    @property
+    def hang_last(self) -> str:
+        return f"{self.hang_prefix}last"

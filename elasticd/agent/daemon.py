@@ -21,9 +21,15 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
 from elasticd import __version__, envvars
+from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
+from elasticd.agent.hangs import HangHandler
+from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.registry import NodeRegistry, read_nodes
+from elasticd.agent.stragglers import StragglerDetector
 from elasticd.agent.supervisor import ElasticdAgent
+from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
+from elasticd.board import read_slot, slot_path
 from elasticd.config import StartConfig
 from elasticd.control import drain_requested
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
@@ -70,7 +76,9 @@ def run_daemon(cfg: StartConfig) -> int:
         runtime_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
         stack.callback(shutil.rmtree, runtime_dir, ignore_errors=True)
         socket_path = str(runtime_dir / "beats.sock")
-        _export_worker_env(cfg, socket_path, endpoints)
+        board_dir = runtime_dir / "board"
+        board_dir.mkdir()
+        _export_worker_env(cfg, socket_path, endpoints, board_dir)
 
         params = RendezvousParameters(
             backend="etcd-v3",
@@ -102,6 +110,22 @@ def run_daemon(cfg: StartConfig) -> int:
             registry=registry,
             drain_requested=lambda: drain_requested(client, keys),
             write_round=lambda round_: client.put(keys.round, str(round_)),
+            policy=SupervisorPolicy(hang_attempts=cfg.hang_attempts),
+            hangs=HangHandler(
+                watchdog=Watchdog(
+                    lambda local_rank: read_slot(slot_path(board_dir, local_rank)),
+                    timeout_s=cfg.hang_timeout_s,
+                    startup_s=cfg.startup_timeout_s,
+                ),
+                agreement=HangAgreement(client, keys, cfg.node_id),
+                node_id=cfg.node_id,
+                board_dir=board_dir,
+                run_dir=cfg.checkpoint_dir.resolve() / cfg.run_id,
+                metrics=metrics,
+                log=lambda: agent.log,
+            ),
+            stragglers=StragglerDetector(factor=cfg.straggler_factor, window_s=cfg.straggler_window_s),
+            read_peers=lambda: read_nodes(client, keys),
         )
         stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat).close)
         _install_leave_signals(agent)
@@ -114,6 +138,7 @@ def run_daemon(cfg: StartConfig) -> int:
             nproc_per_node=cfg.nproc_per_node,
             etcd=endpoints,
             metrics_port=cfg.metrics_port,
+            hang_timeout_s=cfg.hang_timeout_s or "auto",
         )
         return _run_agent(agent, handler)
     return EXIT_GAVE_UP  # pragma: no cover - the with-block always returns
@@ -169,7 +194,7 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
         signal.signal(sig, on_signal)
 
 
-def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str) -> None:
+def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str, board_dir: Path) -> None:
     """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us."""
     os.environ.update(
         {
@@ -184,12 +209,34 @@ def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str) -> No
             envvars.ETCD: endpoints,
             envvars.MIN_NODES: str(cfg.min_nodes),
             envvars.MAX_NODES: str(cfg.max_nodes),
+            envvars.BOARD: str(board_dir),
         }
     )
+    for name, value in _torch_diagnostics_env(cfg).items():
+        os.environ.setdefault(name, value)  # the user's own settings win
     if not _has_gpu():
         # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
         # worker then trains alone without a word (accelerate's state.py, _prepare_backend).
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+
+
+def _torch_diagnostics_env(cfg: StartConfig) -> dict[str, str]:
+    """torch's collective diagnostics, set consistent with the timeout hierarchy (docs/architecture.md).
+
+    The flight recorder keeps the last collectives of every process group (gloo and NCCL) for the hang evidence.
+    On NCCL, torch's own watchdog comes second: its heartbeat timeout stays above our hang timeout plus the time to
+    gather evidence, so elasticd diagnoses and restarts first, and torch dumps and aborts only if we could not.
+    """
+    hang_s = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else AUTO_CAP_S
+    diagnostics = cfg.checkpoint_dir.resolve() / cfg.run_id / "diagnostics" / "nccl"
+    return {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{diagnostics}/trace-rank-",
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(max(480, 2 * hang_s + 60))),
+    }
 
 
 def _has_gpu() -> bool:

@@ -33,6 +33,16 @@ class Action(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class HangReport:
+    """A hang every node of the round agreed on (``agreement.py``)."""
+
+    step: int  # the step that did not complete
+    attempt: int  # hangs in a row at this step, this one included
+    path: str  # its diagnostics directory
+    culprits: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     state: GroupState
     nodes_waiting: int = 0  # nodes queued for the next round (a join)
@@ -42,6 +52,7 @@ class Observation:
     # every local worker saved a checkpoint that some node asked for: a planned change is under way elsewhere
     peer_checkpointed: bool = False
     fatal_message: str = ""  # a worker reported it must stop for good (e.g. non-finite steps beyond --on-nan)
+    hang: HangReport | None = None  # the workers made no progress within the hang timeout
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +65,12 @@ class Decision:
 
 
 class SupervisorPolicy:
-    """Failures restart the group while restarts last; joins restart it for free, after a checkpoint; a drain wins
-    over both; a worker's fatal report stops the node."""
+    """Failures and hangs restart the group while restarts last; joins restart it for free, after a checkpoint; a
+    drain wins over all; a worker's fatal report stops the node; the same step hanging ``hang_attempts`` times in a
+    row stops it too (a deterministic hang recurs after every restart)."""
+
+    def __init__(self, hang_attempts: int = 3) -> None:
+        self.hang_attempts = hang_attempts
 
     def decide(self, obs: Observation) -> Decision:
         if obs.state is GroupState.SUCCEEDED:
@@ -73,6 +88,22 @@ class SupervisorPolicy:
                 Action.STOP,
                 reason="failure",
                 message="a worker failed and no restarts are left (raise --max-restarts to allow more)",
+            )
+        if obs.hang is not None:
+            hang = obs.hang
+            if hang.attempt >= self.hang_attempts:
+                return Decision(
+                    Action.STOP,
+                    reason="hang",
+                    message=f"training hung at step {hang.step} {hang.attempt} times in a row; not restarting again"
+                    f" (--hang-attempts {self.hang_attempts}). Diagnostics: {hang.path}",
+                )
+            if obs.restarts_left > 0:
+                return Decision(Action.RESTART, reason="hang", counts_as_restart=True)
+            return Decision(
+                Action.STOP,
+                reason="hang",
+                message=f"training hung at step {hang.step} and no restarts are left. Diagnostics: {hang.path}",
             )
         if obs.nodes_waiting > 0 or obs.peer_checkpointed:
             # Torch's rule too: membership changes never consume --max-restarts.

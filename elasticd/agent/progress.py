@@ -15,6 +15,7 @@ from typing import Any
 
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
+from elasticd.agent.stragglers import StragglerDetector
 from elasticd.metrics import Metrics
 
 # Seconds between registry writes of the last step: status stays fresh without one etcd put per step.
@@ -29,12 +30,14 @@ class ProgressTracker:
         reports: WorkerReports,
         log: Callable[[], Any],
         clock: Callable[[], float] = time.monotonic,
+        stragglers: StragglerDetector | None = None,
     ) -> None:
         self._metrics = metrics
         self._registry = registry
         self.reports = reports
         self._log = log
         self._clock = clock
+        self._stragglers = stragglers
         self._lock = threading.Lock()
         self._fault_at: float | None = None
         self._step_before_fault: int | None = None
@@ -85,6 +88,10 @@ class ProgressTracker:
         if isinstance(beat.get("samples"), int) and beat["samples"] > 0:
             m.training_samples_total.inc(beat["samples"])
         now = self._clock()
+        own_s, step_s = beat.get("own_s"), beat.get("step_time_s")
+        if self._stragglers is not None and isinstance(own_s, int | float) and isinstance(step_s, int | float):
+            with self._lock:
+                self._stragglers.observe(int(beat.get("rank", 0)), float(own_s), float(step_s), now)
         # Every local rank times the same optimizer step; one sample per node keeps the histogram a node's view.
         if beat.get("local_rank", 0) == 0 and isinstance(beat.get("step_time_s"), int | float):
             # beats come at most every 250 ms: step times are sampled, the training time since the last beat is whole

@@ -25,6 +25,7 @@ class WorkerReports:
         self._lock = threading.Lock()
         self._local_ranks: set[int] = set()
         self._capable: set[int] = set()
+        self._stacks: set[int] = set()  # registered the stack dump signal (SIGUSR1 is safe to send)
         self._saved: dict[int, int] = {}
         self._fatal: Fatal | None = None
         self.last_step: int | None = None
@@ -33,6 +34,7 @@ class WorkerReports:
         with self._lock:
             self._local_ranks = set(local_ranks)
             self._capable.clear()
+            self._stacks.clear()
             self._saved.clear()
             self._fatal = None
 
@@ -40,8 +42,12 @@ class WorkerReports:
         kind = beat.get("kind")
         local_rank = int(beat.get("local_rank", 0))
         with self._lock:
-            if kind == "hello" and "checkpoint_request" in (beat.get("capabilities") or []):
-                self._capable.add(local_rank)
+            if kind == "hello":
+                capabilities = beat.get("capabilities") or []
+                if "checkpoint_request" in capabilities:
+                    self._capable.add(local_rank)
+                if "stacks" in capabilities:
+                    self._stacks.add(local_rank)
             elif kind == "checkpoint_saved" and beat.get("requested"):
                 self._saved[local_rank] = int(beat.get("step", 0))
             elif kind == "fatal" and self._fatal is None:
@@ -54,6 +60,10 @@ class WorkerReports:
     def all_capable(self) -> bool:
         with self._lock:
             return bool(self._local_ranks) and self._local_ranks <= self._capable
+
+    def can_dump_stacks(self) -> set[int]:
+        with self._lock:
+            return set(self._stacks)
 
     def all_saved(self) -> bool:
         with self._lock:

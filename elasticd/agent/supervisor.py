@@ -22,10 +22,13 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticd import envvars
-from elasticd.agent.policy import Action, GroupState, Observation, SupervisorPolicy
+from elasticd.agent.evidence import kill_hung
+from elasticd.agent.hangs import HangHandler
+from elasticd.agent.policy import Action, GroupState, HangReport, Observation, SupervisorPolicy
 from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
+from elasticd.agent.stragglers import StragglerDetector
 from elasticd.etcd.client import EtcdError
 from elasticd.logging import get_logger
 from elasticd.metrics import Metrics
@@ -40,6 +43,8 @@ _MEMBERSHIP_TIMEOUT_S = 60
 _CONTROL_POLL_S = 1.0
 # Seconds between two etcd_unavailable warnings while etcd stays away.
 _ETCD_WARN_INTERVAL_S = 10.0
+# Seconds between straggler checks, which also publish this node's per-rank own times and read the other nodes'.
+_STRAGGLER_POLL_S = 2.0
 
 
 class ElasticdAgent(LocalElasticAgent):
@@ -56,6 +61,9 @@ class ElasticdAgent(LocalElasticAgent):
         write_round: Callable[[int], None] = lambda _round: None,
         checkpoint_timeout_s: float = 120.0,
         policy: SupervisorPolicy | None = None,
+        hangs: HangHandler | None = None,
+        stragglers: StragglerDetector | None = None,
+        read_peers: Callable[[], list[dict[str, Any]]] = list,
         clock: Callable[[], float] = time.monotonic,
         **kwargs: Any,
     ) -> None:
@@ -79,7 +87,11 @@ class ElasticdAgent(LocalElasticAgent):
         self._write_round = write_round
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
-        self.progress = ProgressTracker(metrics, registry, self.reports, lambda: self._log, clock)
+        self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
+        self.progress = ProgressTracker(metrics, registry, self.reports, lambda: self._log, clock, self.stragglers)
+        self.hangs = hangs
+        self._read_peers = read_peers
+        self._workers_started_at = clock()
         self._etcd_warned = -_ETCD_WARN_INTERVAL_S
 
     @property
@@ -116,6 +128,8 @@ class ElasticdAgent(LocalElasticAgent):
                 self._log.info("node_joined", joined_node=joined)
         if worker_group.group_rank == 0 and self.round is not None:
             self._poll(lambda: self._write_round(self.round or 0), None)
+            if self.hangs is not None:
+                self._poll(lambda: self.hangs.forget_rounds_before(self.round or 0), None)  # type: ignore[union-attr]
         self._metrics.rendezvous_total.inc()
         self._metrics.rendezvous_duration_seconds.observe(duration_s)
         self._metrics.nodes.set(len(members))
@@ -144,6 +158,10 @@ class ElasticdAgent(LocalElasticAgent):
         # Workers inherit the daemon's environment; the round fences checkpoint commits from older rounds.
         os.environ[envvars.ROUND] = str(self.round if self.round is not None else 0)
         self.reports.reset({w.local_rank for w in worker_group.workers})
+        self.stragglers.reset()
+        self._workers_started_at = self._clock()
+        if self.hangs is not None:
+            self.hangs.reset(tuple(sorted(w.local_rank for w in worker_group.workers)), self._workers_started_at)
         pids = super()._start_workers(worker_group)
         self._log.info("workers_started", pids=sorted(pids.values()), local_world_size=len(pids))
         self._registry.update(state="running")
@@ -159,7 +177,7 @@ class ElasticdAgent(LocalElasticAgent):
         worker_group = self._worker_group
         spec = worker_group.spec
         self._initialize_workers(worker_group)
-        next_control_poll = 0.0
+        next_control_poll = next_straggler_poll = 0.0
         drain = False
         while True:
             self.graceful = True
@@ -167,10 +185,18 @@ class ElasticdAgent(LocalElasticAgent):
             result = self._monitor_workers(worker_group)
             worker_group.state = result.state
             now = self._clock()
+            state = _group_state(result.state)
+            suspicion = self.hangs.check() if self.hangs is not None and state is GroupState.HEALTHY else None
+            peer_hang = False
             if now >= next_control_poll:
                 drain = drain or self._poll(self._drain_requested, False)
+                if self.hangs is not None and state is GroupState.HEALTHY:
+                    peer_hang = self._poll(lambda: self.hangs.peer_claim(self.round or 0), None) is not None  # type: ignore[union-attr]
                 next_control_poll = now + _CONTROL_POLL_S
-            state = _group_state(result.state)
+            if now >= next_straggler_poll and state is GroupState.HEALTHY:
+                self._check_stragglers(now)
+                next_straggler_poll = now + _STRAGGLER_POLL_S
+            hang = self._on_hang(worker_group, suspicion) if suspicion is not None or peer_hang else None
             waiting = self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY else 0
             fatal = self.reports.fatal
             decision = self._policy.decide(
@@ -182,6 +208,7 @@ class ElasticdAgent(LocalElasticAgent):
                     restarts_left=self._remaining_restarts,
                     peer_checkpointed=state is GroupState.HEALTHY and self.reports.all_saved(),
                     fatal_message=fatal.message if fatal else "",
+                    hang=hang,
                 )
             )
             if decision.action is Action.CONTINUE:
@@ -191,6 +218,8 @@ class ElasticdAgent(LocalElasticAgent):
                 self._log_failures(result)
             if decision.planned and state is GroupState.HEALTHY:
                 self._checkpoint_first(worker_group, decision.reason)
+            if hang is not None:
+                self._kill_local_workers()  # hung or stopped processes ignore torch's SIGTERM for its 30 s grace
             if decision.action is Action.RESTART:
                 self.progress.fault()
                 if decision.counts_as_restart:
@@ -227,6 +256,51 @@ class ElasticdAgent(LocalElasticAgent):
             # torch's run() records an event per worker: each must be a failure or a return value.
             others = {w.global_rank: None for w in worker_group.workers if w.global_rank not in result.failures}
             return RunResult(state=WorkerState.FAILED, failures=result.failures, return_values=others)
+
+    def _on_hang(self, worker_group: WorkerGroup, suspicion: Any) -> HangReport | None:
+        assert self.hangs is not None
+        pcontext = self._pcontext
+        pids = dict(pcontext.pids()) if pcontext is not None else {}
+        return self.hangs.handle(
+            round_=self.round or 0,
+            members=list(self._members),
+            pids=pids,
+            ranks={w.local_rank: w.global_rank for w in worker_group.workers},
+            can_dump=self.reports.can_dump_stacks(),
+            started_at=self._workers_started_at,
+            suspicion=suspicion,
+        )
+
+    def _kill_local_workers(self) -> None:
+        pcontext = self._pcontext
+        if pcontext is not None:
+            kill_hung(dict(pcontext.pids()))
+
+    def _check_stragglers(self, now: float) -> None:
+        detector = self.stragglers
+        if not detector.enabled:
+            return
+        medians = detector.local_medians(now)
+        self._registry.update(own_s={str(rank): round(m, 6) for rank, m in medians.items()})
+        peers: dict[int, float] = {}
+        records: list[dict[str, Any]] = self._poll(self._read_peers, [])
+        for record in records:
+            if record.get("node_id") != self._node_id and record.get("round") == self.round:
+                peers.update({int(r): float(m) for r, m in (record.get("own_s") or {}).items()})
+        detector.peers(peers)
+        for event in detector.check(now):
+            if event.kind == "detected":
+                self._metrics.stragglers_total.inc()
+                self._log.warning(
+                    "straggler_detected",
+                    rank=event.rank,
+                    own_s=round(event.own_s, 4),
+                    others_s=round(event.others_s, 4),
+                    ratio=round(event.ratio, 2),
+                    step_s=round(event.step_s, 4),
+                )
+            else:
+                self._log.info("straggler_recovered", rank=event.rank, own_s=round(event.own_s, 4))
 
     def _checkpoint_first(self, worker_group: WorkerGroup, reason: str) -> None:
         """Before a planned change: ask the workers for a checkpoint and wait until every local one has saved it.

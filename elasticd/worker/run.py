@@ -31,12 +31,14 @@ import numpy as np
 import structlog
 import torch
 
+from elasticd.board import NullSlotWriter, Phase, SlotWriter, slot_path
 from elasticd.errors import EXIT_USAGE, ConfigError
 from elasticd.logging import configure_logging, get_logger
 from elasticd.worker.batching import BatchPlan, plan_batches
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
 from elasticd.worker.coordination import Coordinator
+from elasticd.worker.diagnostics import WorkerDiagnostics
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.fence import EtcdFence
 from elasticd.worker.guard import NonFiniteGuard, Verdict
@@ -79,6 +81,10 @@ class Run:
         self.state = TrainingState()
         self.store = CheckpointStore(self.settings.checkpoint_dir, self.settings.run_id, keep=self.settings.keep)
         self.beats = BeatClient.from_env()
+        board = self.settings.board
+        # where this rank is right now, for the daemon's hang watchdog; stacks and flight recorder on request
+        self.slot = SlotWriter(slot_path(board, self.settings.local_rank)) if board else NullSlotWriter()
+        self.diagnostics = WorkerDiagnostics(board, self.settings.local_rank, self.slot) if board else None
         self.faults = FaultInjector.from_env(self.rank)
         self.guard = NonFiniteGuard(self.settings.on_nan)
         self.coordinator = Coordinator(
@@ -103,6 +109,11 @@ class Run:
         self._last_beat = -BEAT_INTERVAL_S
         self._unreported_samples = 0
         self._unreported_train_s = 0.0
+        self._unreported_own_s = 0.0
+        self._unreported_steps = 0
+        # this step's time that waits for no other rank: the library's data work and the model's forward passes
+        self._own_s = 0.0
+        self._forward_started = 0.0
         if self.accelerator.is_main_process:
             self.store.remove_partials()
         self.accelerator.wait_for_everyone()
@@ -145,20 +156,40 @@ class Run:
     def resume(self, model: Any, optimizer: Any, scheduler: Any = None) -> TrainingState:
         """Load the newest committed checkpoint that verifies (a no-op on a fresh run) and arm the guard."""
         self.guard.install(optimizer, model.parameters)
+        self._time_forward(model)
         if scheduler is not None:
             # once per optimizer step whatever the world size (accelerate would step it W times)
             scheduler.split_batches = True
+        self.slot.set_phase(Phase.LOADING)
         checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
         if checkpoint is not None:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
         self._reseed()
         self.coordinator.listen()
-        # only now may the daemon send SIGUSR2 (its default action would kill this process)
-        self.beats.send("hello", capabilities=["checkpoint_request"], pid=os.getpid())
+        # only now may the daemon send SIGUSR2 (its default action would kill this process), and SIGUSR1 for stacks
+        capabilities = ["checkpoint_request", *(["stacks"] if self.diagnostics else [])]
+        self.beats.send("hello", capabilities=capabilities, pid=os.getpid())
         self.beats.send("resumed", step=self.state.step)
+        self.slot.resumed(self.state.step)
         self._step_started = time.perf_counter()
         return self.state
+
+    def _time_forward(self, model: Any) -> None:
+        """Forward passes wait for no other rank (DDP syncs in backward): their time tells a slow rank apart."""
+        if not hasattr(model, "register_forward_pre_hook"):
+            return
+
+        def before(*_args: Any) -> None:
+            self._forward_started = time.perf_counter()
+
+        def after(*_args: Any) -> None:
+            if self._forward_started:
+                self._own_s += time.perf_counter() - self._forward_started
+                self._forward_started = 0.0
+
+        model.register_forward_pre_hook(before)
+        model.register_forward_hook(after)
 
     def _load(self, checkpoint: Checkpoint) -> None:
         manifest = self.saver.load(checkpoint)
@@ -196,17 +227,28 @@ class Run:
                     slices.append(step_slice)
                     yield from step_slice.micro_batches
 
-            stream = micro_batch_loader(loader.dataset, micro_stream(), loader.collate_fn, loader.num_workers)
-            for index, batch in enumerate(stream):
+            stream = iter(micro_batch_loader(loader.dataset, micro_stream(), loader.collate_fn, loader.num_workers))
+            index = 0
+            while True:
+                # everything from here to the yield is this rank's own time (data wait, faults, host-to-device)
+                started = time.perf_counter()
+                batch = next(stream, _END)
+                if batch is _END:
+                    break
                 if index % accumulation == 0:
                     self._slice = slices.popleft()
                     self.faults.before_step(self.state.step + 1)
+                    self.slot.enter(self.state.step + 1)
                 if self.faults.nan_at(self.state.step + 1):
                     batch = _poison(batch)
-                yield _to_device(batch, self.accelerator.device)
+                batch = _to_device(batch, self.accelerator.device)
+                self._own_s += time.perf_counter() - started
+                index += 1
+                yield batch
                 if self._generation != generation:
                     break
-            else:
+            if self._generation == generation:
+                self.slot.set_phase(Phase.DONE)
                 self.saver.wait(everyone=True)
                 return
 
@@ -226,6 +268,10 @@ class Run:
         verdict = self.guard.verdict(step)
         self._unreported_samples += sum(sum(m.valid) for m in step_slice.micro_batches)
         self._unreported_train_s += step_time_s
+        own_s, self._own_s = self._own_s, 0.0
+        self._unreported_own_s += own_s
+        self._unreported_steps += 1
+        self.slot.completed(step, step_time_s, own_s)
         if now - self._last_beat >= BEAT_INTERVAL_S or verdict is not Verdict.OK:
             self._last_beat = now
             self.beats.send(
@@ -234,9 +280,11 @@ class Run:
                 samples=self._unreported_samples,
                 step_time_s=step_time_s,
                 train_s=self._unreported_train_s,
+                own_s=self._unreported_own_s / self._unreported_steps,
                 phase="train",
             )
             self._unreported_samples, self._unreported_train_s = 0, 0.0
+            self._unreported_own_s, self._unreported_steps = 0.0, 0
         if verdict is Verdict.OK:
             self._bad.clear()
         elif verdict is not Verdict.OVERFLOW:
@@ -274,6 +322,7 @@ class Run:
         """Every rank reloads the last checkpoint and will step over the batches that went non-finite."""
         bad = set(self._bad)
         self._bad.clear()
+        self.slot.set_phase(Phase.LOADING)
         self.saver.wait(everyone=True)  # every rank sees the same commits before choosing what to load
         checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
         keep = replace(self.state, skipped_steps=self.state.skipped_steps | bad, rollbacks=self.state.rollbacks + 1)
@@ -289,6 +338,7 @@ class Run:
         else:
             self.state = keep  # nothing to roll back to: the bad batches are already behind us
         self._generation += 1
+        self.slot.resumed(self.state.step)
         self.log.warning("rolled_back", to_step=self.state.step, skipped=sorted(bad))
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
@@ -301,7 +351,9 @@ class Run:
             "world_size": self.world_size,
             "round": self.settings.round,
         }
+        self.slot.set_phase(Phase.CHECKPOINT)
         self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
+        self.slot.set_phase(Phase.TRAINING)
         self.coordinator.checkpointed()
         if planned:
             self.beats.send("checkpoint_saved", step=self.state.step, requested=True)
@@ -309,10 +361,12 @@ class Run:
     def _park(self) -> None:
         """After a requested checkpoint: wait to be stopped for the planned change (see PARK_TIMEOUT_S)."""
         self.log.info("parked", step=self.state.step)
+        self.slot.set_phase(Phase.PARKED)
         deadline = time.monotonic() + PARK_TIMEOUT_S
         while time.monotonic() < deadline:
             time.sleep(0.1)
         self.log.warning("park_timeout", step=self.state.step)
+        self.slot.set_phase(Phase.TRAINING)
 
     def _on_save_event(self, event: str, fields: dict[str, Any]) -> None:
         if event == "checkpoint_written":
@@ -335,7 +389,13 @@ class Run:
 
     def close(self) -> None:
         """Finish the background checkpoint write; call on every rank before exit."""
+        self.slot.set_phase(Phase.DONE)
         self.saver.wait(everyone=True)
+        if self.diagnostics is not None:
+            self.diagnostics.close()
+
+
+_END = object()
 
 
 def attach(accelerator: Any, settings: WorkerSettings | None = None) -> Run:

@@ -26,6 +26,8 @@ class WorkerSettings:
     round: int = 0
     etcd: str | None = None  # None: no daemon, no fencing
     socket: str | None = None
+    board: str | None = None  # None: no daemon watches this worker
+    local_rank: int = 0
     nproc_per_node: int = 1
     min_nodes: int | None = None
     max_nodes: int | None = None
@@ -52,6 +54,8 @@ class WorkerSettings:
             round=int(number(envvars.ROUND, "0")),
             etcd=e.get(envvars.ETCD) or None,
             socket=e.get(envvars.SOCKET) or None,
+            board=e.get(envvars.BOARD) or None,
+            local_rank=int(number("LOCAL_RANK", "0")),
             nproc_per_node=int(number("LOCAL_WORLD_SIZE", "1")),
             min_nodes=int(e[envvars.MIN_NODES]) if e.get(envvars.MIN_NODES) else None,
             max_nodes=int(e[envvars.MAX_NODES]) if e.get(envvars.MAX_NODES) else None,

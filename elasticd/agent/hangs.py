@@ -1,0 +1,175 @@
+"""From a silent worker to an agreed diagnosis: detect, gather evidence, confirm, agree, write it down.
+
+The supervisor loop calls :meth:`HangHandler.check` every monitor interval (a read of the board) and
+:meth:`HangHandler.peer_claim` with its etcd polls. When either fires, :meth:`HangHandler.handle`:
+
+1. logs ``hang_detected`` and gathers this node's evidence (stacks, flight recorder, process states) into a
+   scratch directory; that takes up to a second, which doubles as a **confirmation**: if the silent ranks made
+   progress meanwhile it was a slow step, not a hang (``hang_cleared``, nothing else happens);
+2. claims the hang for the round, moves the evidence into the hang's directory
+   ``<checkpoint-dir>/<run-id>/diagnostics/<UTC time>-hang/``, reports it, and waits for the agreed summary
+   (``agreement.py``); the owner writes ``summary.json``;
+3. returns a :class:`~elasticd.agent.policy.HangReport` for the policy (restart, or stop after repeated hangs).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from elasticd.agent.agreement import HangAgreement
+from elasticd.agent.evidence import collect
+from elasticd.agent.policy import HangReport
+from elasticd.agent.watchdog import Suspicion, Watchdog
+from elasticd.board import slot_path
+from elasticd.etcd.client import EtcdError
+from elasticd.metrics import Metrics
+
+DIAGNOSTICS_DIR = "diagnostics"
+
+
+class HangHandler:
+    def __init__(
+        self,
+        *,
+        watchdog: Watchdog,
+        agreement: HangAgreement | None,
+        node_id: str,
+        board_dir: Path,
+        run_dir: Path,
+        metrics: Metrics,
+        log: Callable[[], Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.watchdog = watchdog
+        self._agreement = agreement
+        self._node = node_id
+        self._board_dir = board_dir
+        self._run_dir = run_dir
+        self._metrics = metrics
+        self._log = log
+        self._clock = clock
+        self._local_last = (-1, 0)  # (step, hangs in a row there) when etcd cannot count them
+
+    def reset(self, local_ranks: tuple[int, ...], started_at: float) -> None:
+        """Workers are about to start: forget the previous generation's slots so none is read as this one's."""
+        for rank in local_ranks:
+            slot_path(self._board_dir, rank).unlink(missing_ok=True)
+        self.watchdog.reset(local_ranks, started_at)
+
+    def forget_rounds_before(self, round_: int) -> None:
+        if self._agreement is not None:
+            self._agreement.forget_rounds_before(round_)
+
+    def check(self) -> Suspicion | None:
+        suspicion = self.watchdog.check(self._clock())
+        timeout = self.watchdog.timeout_s
+        if timeout is not None:
+            self._metrics.hang_timeout_seconds.set(timeout)
+        return suspicion
+
+    def peer_claim(self, round_: int) -> str | None:
+        if self._agreement is None:
+            return None
+        return self._agreement.claimed(round_)
+
+    def handle(
+        self,
+        *,
+        round_: int,
+        members: list[str],
+        pids: dict[int, int],
+        ranks: dict[int, int],
+        can_dump: set[int],
+        started_at: float,
+        suspicion: Suspicion | None,
+    ) -> HangReport | None:
+        log = self._log()
+        if suspicion is not None:
+            log.warning(
+                "hang_detected",
+                timeout_s=round(suspicion.allowance_s, 3),
+                silent_s=round(suspicion.silent_s, 3),
+                step=suspicion.step,
+                ranks=[ranks.get(r, r) for r in suspicion.local_ranks],
+            )
+        scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
+        evidence = collect(
+            node=self._node,
+            board_dir=self._board_dir,
+            out_dir=scratch,
+            pids=pids,
+            ranks=ranks,
+            can_dump=can_dump,
+            started_at=started_at,
+        )
+        peer = self._safe(lambda: self.peer_claim(round_), None)
+        if suspicion is not None and peer is None and self.watchdog.check(self._clock()) is None:
+            log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
+            shutil.rmtree(scratch, ignore_errors=True)
+            return None
+        self._metrics.hangs_total.inc()
+        candidate = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-hang"
+        name, owner = candidate, True
+        if self._agreement is not None:
+            name, owner = self._safe(lambda: self._agreement.claim(round_, candidate), (candidate, True))  # type: ignore[union-attr]
+        path = self._run_dir / DIAGNOSTICS_DIR / name
+        path.mkdir(parents=True, exist_ok=True)
+        for item in scratch.iterdir():
+            shutil.rmtree(path / item.name, ignore_errors=True)
+            shutil.move(str(item), path / item.name)
+        shutil.rmtree(scratch, ignore_errors=True)
+        log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
+        extra = {
+            "path": str(path),
+            "hang": name,
+            "detected_by": self._node if owner else None,
+            "timeout_s": round(suspicion.allowance_s, 3) if suspicion else None,
+        }
+        summary = self._agree(round_, members, evidence, owner=owner, extra=extra)
+        if owner:
+            (path / "summary.json").write_text(json.dumps(summary, indent=2))
+        log.warning(
+            "hang_diagnosed",
+            culprit_ranks=summary["culprit_ranks"],
+            culprit_nodes=summary["culprit_nodes"],
+            reason=summary["reason"],
+            step=summary["step"],
+            attempt=summary["attempt"],
+            path=summary.get("path", str(path)),
+        )
+        return HangReport(
+            step=int(summary["step"]),
+            attempt=int(summary["attempt"]),
+            path=str(summary.get("path", path)),
+            culprits=tuple(summary["culprit_ranks"]),
+        )
+
+    def _agree(
+        self, round_: int, members: list[str], evidence: list[Any], *, owner: bool, extra: dict[str, Any]
+    ) -> dict[str, Any]:
+        from elasticd.agent.diagnosis import diagnose
+
+        agreement = self._agreement
+        if agreement is not None:
+            try:
+                agreement.report(round_, evidence)
+                return agreement.decide(round_, members, owner=owner, extra=extra)
+            except EtcdError as exc:
+                self._log().warning("etcd_unavailable", error=str(exc))
+        # no etcd: this node's evidence alone, and repeats counted by this process
+        diagnosis = diagnose(evidence)
+        step, attempts = self._local_last
+        self._local_last = (diagnosis.step, attempts + 1 if step == diagnosis.step else 1)
+        return {**diagnosis.to_json(), "nodes_reported": [self._node], "attempt": self._local_last[1], **extra}
+
+    def _safe(self, read: Callable[[], Any], fallback: Any) -> Any:
+        try:
+            return read()
+        except EtcdError:
+            return fallback
