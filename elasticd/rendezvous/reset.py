@@ -15,7 +15,7 @@ from elasticd.keys import RunKeys
 
 
 def clear_finished_run(client: EtcdClient, keys: RunKeys) -> list[str]:
-    """Remove a closed rendezvous state and stale control requests; returns what was removed."""
+    """Remove a closed rendezvous state, stale control requests and hang records; returns what was removed."""
     removed: list[str] = []
     current = client.get(keys.rdzv_state)
     if current is not None:
@@ -31,4 +31,7 @@ def clear_finished_run(client: EtcdClient, keys: RunKeys) -> list[str]:
     if client.get_prefix(keys.control_prefix):
         client.delete_prefix(keys.control_prefix)
         removed.append("control requests")
+    if client.get_prefix(keys.hang_prefix):
+        client.delete_prefix(keys.hang_prefix)  # a new job starts its hang repeat count at zero
+        removed.append("hang diagnoses")
     return removed

@@ -8,6 +8,7 @@
     kill@checkpoint=20,rank=0     rank 0 kills itself while writing the checkpoint of step 20
     sleep@step=12,rank=1          rank 1 stops forever before step 12 (a hang inside the next collective)
     slow@rank=1,seconds=0.2       rank 1 sleeps 0.2 s every step (a straggler)
+    jitter@seconds=0.1            every rank sleeps a random 0-0.1 s every step (seeded by rank and step)
 
 ``round=N`` limits a fault to the workers of rendezvous round N (``ELASTICD_ROUND``), so a fault does not repeat after
 the restart it causes; ``restart=N`` does the same with torchrun's ``TORCHELASTIC_RESTART_COUNT``.
@@ -18,6 +19,7 @@ Faults come from the environment so that tests inject them into real worker proc
 from __future__ import annotations
 
 import os
+import random
 import signal
 import time
 from dataclasses import dataclass, field
@@ -81,6 +83,9 @@ class FaultInjector:
         for f in self._of("slow"):
             if f.covers(step):
                 time.sleep(f.seconds)
+        for f in self._of("jitter"):
+            if f.covers(step):
+                time.sleep(random.Random(self.rank * 1_000_003 + step).uniform(0, f.seconds))
 
     def after_step(self, step: int) -> None:
         if any(f.covers(step) for f in self._of("kill") if f.checkpoint is None):

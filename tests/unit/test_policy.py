@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elasticd.agent.policy import Action, GroupState, Observation, SupervisorPolicy
+from elasticd.agent.policy import Action, GroupState, HangReport, Observation, SupervisorPolicy
 
 policy = SupervisorPolicy()
 
@@ -56,3 +56,29 @@ def test_leave_request_is_planned_and_loses_to_a_run_wide_drain() -> None:
     assert policy.decide(Observation(GroupState.HEALTHY, leave_requested=True, drain_requested=True)).action is (
         Action.DRAIN
     )
+
+
+def test_hang_restarts_and_consumes_a_restart() -> None:
+    hang = HangReport(step=30, attempt=1, path="/d/x-hang")
+    d = policy.decide(Observation(GroupState.HEALTHY, restarts_left=3, hang=hang))
+    assert (d.action, d.reason, d.counts_as_restart, d.planned) == (Action.RESTART, "hang", True, False)
+
+
+def test_same_step_hanging_hang_attempts_times_stops_and_names_the_diagnostics() -> None:
+    hang = HangReport(step=30, attempt=2, path="/d/x-hang")
+    d = SupervisorPolicy(hang_attempts=2).decide(Observation(GroupState.HEALTHY, restarts_left=3, hang=hang))
+    assert (d.action, d.reason) == (Action.STOP, "hang")
+    assert "step 30" in d.message and "Diagnostics: /d/x-hang" in d.message and "--hang-attempts 2" in d.message
+
+
+def test_hang_without_restarts_left_stops() -> None:
+    hang = HangReport(step=30, attempt=1, path="/d/x-hang")
+    d = policy.decide(Observation(GroupState.HEALTHY, restarts_left=0, hang=hang))
+    assert d.action is Action.STOP and "/d/x-hang" in d.message
+
+
+def test_drain_wins_over_a_hang_and_a_failure_over_a_hang() -> None:
+    hang = HangReport(step=30, attempt=1, path="/d")
+    assert policy.decide(Observation(GroupState.HEALTHY, drain_requested=True, hang=hang)).action is Action.DRAIN
+    d = policy.decide(Observation(GroupState.FAILED, restarts_left=2, hang=hang))
+    assert d.reason == "failure"

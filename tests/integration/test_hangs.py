@@ -1,0 +1,213 @@
+"""Hangs and stragglers on real processes: a rank that sleeps before its all-reduce, a SIGSTOPped worker, a hang
+that recurs at the same step, a slow rank, two daemons agreeing on one diagnosis.
+
+Each test runs examples/train.py under real ``elasticd start`` processes (gloo, real etcd) with a fault injected
+through ``ELASTICD_FAULT`` (elasticd/worker/faults.py) or a real signal, then reads the daemon's events and the
+diagnostics it wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, train_args, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _finished(cluster: Cluster, names: list[str], last_step: int) -> None:
+    for name in names:
+        code = cluster.nodes[name].wait(150)
+        assert code == 0, f"{name} exited {code}\n{cluster.diagnostics()}"
+    assert cluster.last_step()["step"] == last_step, cluster.diagnostics()  # type: ignore[index]
+    wait_until(lambda: not leftover_processes(list(cluster.nodes)), 15, "worker processes to exit")
+
+
+def _summary(event: dict[str, Any]) -> dict[str, Any]:
+    path = Path(event["path"])
+    summary = json.loads((path / "summary.json").read_text())
+    assert summary["path"] == str(path)
+    return summary  # type: ignore[no-any-return]
+
+
+def _unix(event: dict[str, Any]) -> float:
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def _rank(summary: dict[str, Any], rank: int) -> dict[str, Any]:
+    return next(r for r in summary["ranks"] if r["rank"] == rank)
+
+
+def test_rank_sleeping_before_its_all_reduce_is_detected_named_and_training_resumes(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    timeout_s = 2.0
+    fault = "sleep@step=25,rank=1,restart=0"
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="hang-sleep",
+        nproc_per_node=2,
+        script_args=train_args(50, 0.05),
+        extra=("--hang-timeout", str(timeout_s)),
+        env={"ELASTICD_FAULT": fault},
+    ) as c:
+        node = c.start("hs-a")
+        diagnosed = node.wait_event("hang_diagnosed", timeout_s=90)
+        detected = node.events("hang_detected")[0]
+        # the hang starts when rank 1 stops: right after step 24 completed
+        step_24 = next(s for s in c.all_steps() if s["step"] == 24)
+        assert _unix(detected) - step_24["t"] <= timeout_s + 3, (detected, step_24)
+        assert detected["step"] == 25
+        assert diagnosed["culprit_ranks"] == [1], c.diagnostics()
+
+        summary = _summary(diagnosed)
+        culprit, waiting = _rank(summary, 1), _rank(summary, 0)
+        assert culprit["in_collective"] is False and "before_step" in culprit["where"]
+        # the other rank is blocked inside the collective: its stack is in backward (DDP's all-reduce), its flight
+        # recorder shows a pending all_reduce, one collective further than the culprit
+        assert waiting["in_collective"] is True
+        assert "all_reduce" in waiting["pending_collective"]
+        assert waiting["collectives"] > culprit["collectives"]
+        stacks = (Path(diagnosed["path"]) / waiting["stacks"]).read_text()
+        assert "backward" in stacks
+        assert (Path(diagnosed["path"]) / culprit["flight_recorder"]).exists()
+        assert summary["culprits"][0]["pid"] == culprit["pid"] and summary["culprits"][0]["node"] == "hs-a"
+
+        restart = node.wait_event("restart")
+        assert restart["reason"] == "hang"
+        _finished(c, ["hs-a"], 50)
+        resumed = [e for e in node.events("resumed")]
+        assert any(e["step"] == 20 for e in resumed), c.diagnostics()
+
+
+def _worker_pids(node: Node) -> list[int]:
+    started = node.wait_event("workers_started")
+    return list(started["pids"])
+
+
+def test_sigstopped_worker_is_detected_as_a_hang_and_named(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="hang-stop",
+        nproc_per_node=2,
+        script_args=train_args(50, 0.05),
+        extra=("--hang-timeout", "2"),
+    ) as c:
+        node = c.start("st-a")
+        c.wait_step(lambda s: s["step"] >= 15, what="step 15")
+        victim = _worker_pids(node)[-1]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            diagnosed = node.wait_event("hang_diagnosed", timeout_s=60)
+            summary = _summary(diagnosed)
+            assert [c["pid"] for c in summary["culprits"]] == [victim], summary["culprits"]
+            assert summary["culprits"][0]["state"] == "stopped"
+            assert "stopped" in summary["reason"]
+            _finished(c, ["st-a"], 50)
+            assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+        finally:
+            if psutil.pid_exists(victim):
+                os.kill(victim, signal.SIGKILL)
+
+
+def test_hang_at_the_same_step_every_time_stops_with_exit_1_and_the_diagnostics_path(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="hang-again",
+        nproc_per_node=2,
+        script_args=train_args(50, 0.05),
+        extra=("--hang-timeout", "1", "--hang-attempts", "2"),
+        env={"ELASTICD_FAULT": "sleep@step=15,rank=1"},  # every attempt: a deterministic hang
+    ) as c:
+        node = c.start("ha-a")
+        code = node.wait(150)
+        assert code == 1, c.diagnostics()
+        diagnoses = node.events("hang_diagnosed")
+        assert [d["attempt"] for d in diagnoses] == [1, 2]
+        assert {d["step"] for d in diagnoses} == {15}
+        gave_up = node.events("gave_up")[-1]
+        assert gave_up["reason"] == "hang"
+        last = diagnoses[-1]["path"]
+        assert f"Diagnostics: {last}" in gave_up["message"]
+        assert "2 times in a row" in gave_up["message"]
+        assert _summary(diagnoses[-1])["attempt"] == 2
+        assert [e["reason"] for e in node.events("restart")] == ["hang"]
+        wait_until(lambda: not leftover_processes(["ha-a"]), 15, "worker processes to exit")
+
+
+def _stragglers(tmp_path: Path, etcd: Any, run_id: str, fault: str) -> list[dict[str, Any]]:
+    with Cluster(
+        etcd.endpoint,
+        tmp_path / run_id,
+        run_id=run_id,
+        nproc_per_node=2,
+        script_args=train_args(60, 0.02),
+        extra=("--straggler-window", "2"),
+        env={"ELASTICD_FAULT": fault},
+    ) as c:
+        node = c.start(f"{run_id}-a")
+        _finished(c, [node.name], 60)
+        assert not node.events("hang_detected"), c.diagnostics()
+        return node.events("straggler_detected")
+
+
+def test_slow_rank_is_reported_as_a_straggler_and_a_uniformly_slow_group_is_not(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "one").mkdir()
+    (tmp_path / "all").mkdir()
+    one = _stragglers(tmp_path, etcd, "one", "slow@rank=1,seconds=0.15")
+    assert one and {e["rank"] for e in one} == {1}, one
+    assert one[0]["ratio"] >= 1.5
+    everyone = _stragglers(tmp_path, etcd, "all", "slow@seconds=0.15")
+    assert everyone == []
+
+
+def test_two_daemons_agree_on_one_diagnosis_through_etcd(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="hang-agree",
+        min_nodes=2,
+        max_nodes=2,
+        script_args=train_args(50, 0.05),
+        extra=("--hang-timeout", "2"),
+        env={"ELASTICD_FAULT": "sleep@step=25,rank=1,restart=0"},
+    ) as c:
+        a, b = c.start("ag-a"), c.start("ag-b")
+        da = a.wait_event("hang_diagnosed", timeout_s=90)
+        db = b.wait_event("hang_diagnosed", timeout_s=30)
+        assert da["path"] == db["path"] and da["culprit_ranks"] == db["culprit_ranks"] == [1]
+        summary = _summary(da)
+        assert summary["nodes_reported"] == ["ag-a", "ag-b"] and summary["nodes_missing"] == []
+        culprit_node = summary["culprits"][0]["node"]
+        ranks = {n.name: n.events("rendezvous_done")[0]["group_rank"] for n in (a, b)}
+        assert ranks[culprit_node] == 1  # one worker per node: global rank 1 lives on group rank 1
+        for name in ("ag-a", "ag-b"):
+            assert (Path(da["path"]) / f"node-{name}" / "evidence.json").exists()
+        _finished(c, ["ag-a", "ag-b"], 50)
+
+
+def test_auto_timeout_no_false_hang_when_step_times_vary_3x_and_the_run_checkpoints(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="hang-auto",
+        nproc_per_node=2,
+        script_args=train_args(80, 0.05),
+        extra=("--hang-timeout", "auto", "--checkpoint-every-steps", "5"),
+        env={"ELASTICD_FAULT": "jitter@seconds=0.1"},  # 50-150 ms steps
+    ) as c:
+        node = c.start("au-a")
+        _finished(c, ["au-a"], 80)
+        assert not node.events("hang_detected"), c.diagnostics()
+        assert not node.events("restart")
+        times = [e for e in read_json_lines(node.out) if e.get("event") == "step"]
+        assert len(times) >= 80

@@ -1,0 +1,111 @@
+"""The hang watchdog's rules on hand-written board slots and a fake clock: allowances per phase, auto timeout."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from elasticd.agent.watchdog import AUTO_FLOOR_S, AutoTimeout, Watchdog
+from elasticd.board import Phase, Slot
+
+TRAINING = Slot(
+    pid=1,
+    phase=Phase.TRAINING,
+    entered_step=10,
+    completed_step=10,
+    progress_t=100.0,
+    step_done_t=100.0,
+    step_s=0.1,
+    own_s=0.02,
+    dump_request=0,
+    dump_done=0,
+)
+
+
+def watchdog(timeout_s: float | None = 2.0, startup_s: float = 60.0) -> Watchdog:
+    w = Watchdog(lambda _rank: None, timeout_s=timeout_s, startup_s=startup_s)
+    w.reset((0, 1), started_at=0.0)
+    return w
+
+
+def test_training_rank_silent_beyond_the_timeout_is_a_hang_naming_it() -> None:
+    w = watchdog()
+    busy = replace(TRAINING, entered_step=11)
+    assert w.check(101.9, {0: TRAINING, 1: busy}) is None
+    s = w.check(102.5, {0: replace(TRAINING, progress_t=102.4, completed_step=11), 1: busy})
+    assert s is not None and s.local_ranks == (1,) and s.step == 11
+    assert s.silent_s == pytest.approx(2.5) and s.allowance_s == 2.0
+
+
+@pytest.mark.parametrize("phase", [Phase.STARTING, Phase.LOADING, Phase.CHECKPOINT, Phase.DONE])
+def test_startup_checkpoint_and_final_phases_get_the_startup_allowance(phase: Phase) -> None:
+    w = watchdog(timeout_s=2.0, startup_s=60.0)
+    slot = replace(TRAINING, phase=phase)
+    assert w.check(150.0, {0: slot}) is None
+    assert w.check(161.0, {0: slot}) is not None
+
+
+def test_parked_worker_is_never_a_hang() -> None:
+    assert watchdog().check(10_000.0, {0: replace(TRAINING, phase=Phase.PARKED)}) is None
+
+
+def test_first_step_of_a_process_gets_the_startup_allowance() -> None:
+    first = replace(TRAINING, step_done_t=0.0)
+    w = watchdog(timeout_s=2.0, startup_s=60.0)
+    assert w.check(150.0, {0: first}) is None
+    assert w.check(161.0, {0: first}) is not None
+
+
+def test_worker_that_never_attached_is_timed_from_the_start_of_its_generation() -> None:
+    w = watchdog(startup_s=60.0)
+    assert w.check(59.0, {0: None}) is None
+    assert w.check(61.0, {0: None}) is not None
+
+
+def test_auto_timeout_learns_from_steps_after_warmup() -> None:
+    auto = AutoTimeout(factor=5.0, floor_s=0.5, warmup=5)
+    assert auto.value is None
+    for _ in range(4):
+        auto.observe(0.1)
+    assert auto.value is None
+    auto.observe(0.1)
+    assert auto.value == pytest.approx(0.5)  # 5 x 0.1 s
+    for _ in range(20):
+        auto.observe(0.3)
+    assert auto.value == pytest.approx(1.5)  # the p99 follows the slower steps
+
+
+def test_auto_timeout_has_a_floor_and_a_cap() -> None:
+    auto = AutoTimeout(warmup=1, cap_s=10.0)
+    auto.observe(0.001)
+    assert auto.value == AUTO_FLOOR_S
+    auto.observe(100.0)
+    assert auto.value == 10.0
+
+
+def test_auto_watchdog_uses_the_startup_allowance_until_warm_then_the_learned_timeout() -> None:
+    w = watchdog(timeout_s=None, startup_s=60.0)
+    slot = TRAINING
+    now = 100.0
+    assert w.check(now + 30, {0: slot}) is None  # not warmed up: 60 s allowance
+    for step in range(11, 20):  # the first step seen is not learned (one-off work)
+        now += 0.1
+        slot = replace(slot, completed_step=step, entered_step=step, progress_t=now, step_done_t=now, step_s=0.1)
+        w.check(now, {0: slot})
+    assert w.timeout_s == pytest.approx(0.5)
+    assert w.check(now + 0.4, {0: slot}) is None
+    assert w.check(now + 0.6, {0: slot}) is not None
+
+
+def test_checkpoint_time_is_not_learned_as_a_step() -> None:
+    # the worker reports step times with saves excluded; a long CHECKPOINT phase is judged by its own allowance
+    w = watchdog(timeout_s=None, startup_s=60.0)
+    now, slot = 100.0, TRAINING
+    for step in range(11, 20):
+        now += 0.1
+        slot = replace(slot, completed_step=step, progress_t=now, step_done_t=now, step_s=0.1)
+        w.check(now, {0: slot})
+    saving = replace(slot, phase=Phase.CHECKPOINT, progress_t=now)
+    assert w.check(now + 30.0, {0: saving}) is None
+    assert w.timeout_s == pytest.approx(0.5)
