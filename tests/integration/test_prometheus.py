@@ -25,9 +25,10 @@ from elasticd.etcd.server import EmbeddedEtcd
 from grafana import alerts, dashboard
 from tests.helpers import ETCD_READY_TIMEOUT_S, free_port
 from tests.integration.cluster import ROOT, Cluster, train_args, wait_until
-from tests.prometheus_tools import PrometheusServer, PrometheusTools, require_prometheus
+from tests.prometheus_tools import INSTALL_TIMEOUT_S, PrometheusServer, PrometheusTools, require_prometheus
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+# Seconds: the run itself takes ~20 s; on a fresh machine the first test also installs Debian's prometheus.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(2 * INSTALL_TIMEOUT_S + 120)]
 
 JOB = "elasticd"
 # What Grafana would put in for the dashboard's variables: the run's scrape job, every node, and a rate window of

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from elasticd.metrics import CHECKPOINT_PHASES, NONFINITE_ACTIONS, RESTART_REASONS, Metrics
 from grafana import alerts, dashboard, generate
-from tests.prometheus_tools import require_prometheus
+from tests.prometheus_tools import INSTALL_TIMEOUT_S, require_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -294,6 +294,7 @@ def test_every_alert_fires_in_at_least_one_promtool_test_case() -> None:
     assert quiet <= names
 
 
+@pytest.mark.timeout(2 * INSTALL_TIMEOUT_S + 60)  # may install Debian's prometheus first
 def test_promtool_check_rules_passes() -> None:
     tools = require_prometheus()
     done = subprocess.run(
@@ -306,6 +307,7 @@ def test_promtool_check_rules_passes() -> None:
     assert f"SUCCESS: {len(alerts.ALERTS)} rules found" in done.stdout
 
 
+@pytest.mark.timeout(2 * INSTALL_TIMEOUT_S + 60)  # may install Debian's prometheus first
 def test_promtool_test_rules_passes() -> None:
     tools = require_prometheus()
     done = subprocess.run(
