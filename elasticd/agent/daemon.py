@@ -48,7 +48,9 @@ def run_daemon(cfg: StartConfig) -> int:
     configure_logging(cfg.log_format)
     log = get_logger(run_id=cfg.run_id, node_id=cfg.node_id)
     with ExitStack() as stack:
-        metrics = Metrics.create(version=__version__, node=cfg.node_id)
+        metrics = Metrics.create(
+            version=__version__, node=cfg.node_id, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes
+        )
         if cfg.metrics_port:
             server = MetricsServer(metrics.registry, cfg.metrics_addr, cfg.metrics_port)
             stack.callback(server.close)

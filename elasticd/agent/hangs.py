@@ -31,6 +31,10 @@ from elasticd.etcd.client import EtcdError
 from elasticd.metrics import Metrics
 
 DIAGNOSTICS_DIR = "diagnostics"
+# A suspicion stands only if the silent ranks stay silent for this share of their allowance after it fired (bounded
+# below by the evidence gathering itself and above by CONFIRM_MAX_S): a slow step on a starved machine clears itself.
+CONFIRM_SHARE = 0.5
+CONFIRM_MAX_S = 2.0
 
 
 class HangHandler:
@@ -90,6 +94,7 @@ class HangHandler:
         suspicion: Suspicion | None,
     ) -> HangReport | None:
         log = self._log()
+        fired_at = self._clock()
         if suspicion is not None:
             log.warning(
                 "hang_detected",
@@ -108,8 +113,7 @@ class HangHandler:
             can_dump=can_dump,
             started_at=started_at,
         )
-        peer = self._safe(lambda: self.peer_claim(round_), None)
-        if suspicion is not None and peer is None and self.watchdog.check(self._clock()) is None:
+        if suspicion is not None and not self._confirmed(suspicion, fired_at, round_):
             log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
             shutil.rmtree(scratch, ignore_errors=True)
             return None
@@ -149,6 +153,16 @@ class HangHandler:
             path=str(summary.get("path", path)),
             culprits=tuple(summary["culprit_ranks"]),
         )
+
+    def _confirmed(self, suspicion: Suspicion, fired_at: float, round_: int) -> bool:
+        """Still silent once the confirmation window has passed (or a peer claimed the hang meanwhile)?"""
+        until = fired_at + min(CONFIRM_MAX_S, CONFIRM_SHARE * suspicion.allowance_s)
+        while True:
+            if self.watchdog.check(self._clock()) is None:
+                return False
+            if self._clock() >= until or self._safe(lambda: self.peer_claim(round_), None) is not None:
+                return True
+            time.sleep(0.05)
 
     def _agree(
         self, round_: int, members: list[str], evidence: list[Any], *, owner: bool, extra: dict[str, Any]

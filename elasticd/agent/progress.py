@@ -44,6 +44,9 @@ class ProgressTracker:
         self._registry_written = -REGISTRY_STEP_INTERVAL_S
         self._started = clock()
         self._productive_s = 0.0
+        # productive time counts each step once: steps redone after a restart (below the high-water mark) are lost
+        self._high_water = 0
+        self._beat_step = 0  # local rank 0's step at its previous beat (or its resume)
 
     def fault(self) -> None:
         """A restart begins: the recovery clock starts, and the last step reached is remembered."""
@@ -61,6 +64,8 @@ class ProgressTracker:
         elif kind == "resumed" and beat.get("local_rank", 0) == 0:
             with self._lock:
                 before, self._step_before_fault = self._step_before_fault, None
+                if isinstance(beat.get("step"), int):
+                    self._beat_step = beat["step"]
             if before is not None and isinstance(beat.get("step"), int) and before > beat["step"]:
                 m.lost_steps_total.inc(before - beat["step"])
         elif kind == "nonfinite" and beat.get("local_rank", 0) == 0:
@@ -97,7 +102,11 @@ class ProgressTracker:
             # beats come at most every 250 ms: step times are sampled, the training time since the last beat is whole
             m.step_duration_seconds.observe(beat["step_time_s"])
             with self._lock:
-                self._productive_s += float(beat.get("train_s", beat["step_time_s"]))
+                span = step - self._beat_step
+                new = step - max(self._beat_step, self._high_water)
+                if span > 0 and new > 0:
+                    self._productive_s += float(beat.get("train_s", beat["step_time_s"])) * new / span
+                self._beat_step, self._high_water = step, max(self._high_water, step)
                 m.goodput_ratio.set(min(1.0, self._productive_s / max(now - self._started, 1e-9)))
         with self._lock:
             fault_at, self._fault_at = self._fault_at, None
