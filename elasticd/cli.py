@@ -56,6 +56,20 @@ def _converter(param: click.Option, ctx: click.Context) -> Callable[[Any], Any]:
     return convert
 
 
+def _etcd_access_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """TLS and credentials for etcd; the password comes from a file or ELASTICD_ETCD_PASSWORD, never a flag."""
+    options = [
+        _option("--etcd-cacert", default=None, help="CA certificate that signed etcd's server certificate."),
+        _option("--etcd-cert", default=None, help="Client certificate for etcd (with --etcd-key)."),
+        _option("--etcd-key", default=None, help="Client certificate key for etcd."),
+        _option("--etcd-user", default=None, help="etcd user (password: --etcd-password-file or env)."),
+        _option("--etcd-password-file", default=None, help="File holding the etcd password."),
+    ]
+    for opt in reversed(options):
+        func = opt(func)
+    return func
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="elasticd")
 def cli() -> None:
@@ -80,6 +94,7 @@ def cli() -> None:
 @_option("--nproc-per-node", default="1", help="Workers per node: N or 'auto' (GPUs, else 1).")
 @_option("--etcd", default=None, help="etcd endpoints HOST:PORT[,...]; absent: an embedded etcd on 127.0.0.1.")
 @_option("--etcd-connect-timeout", "etcd_connect_timeout_s", type=float, default=10.0, help="Seconds.")
+@_etcd_access_options
 @_option("--run-id", default="default", help="Names the job in etcd and in the checkpoint dir.")
 @_option("--node-id", default=None, help="This node's name in the run (default: the host name).")
 @_option("--local-addr", default=None, help="Address other nodes reach this one at (default: its FQDN).")
@@ -98,6 +113,13 @@ def cli() -> None:
 )
 @_option("--straggler-factor", type=float, default=1.5, help="Report a rank this much slower than the others; 0: off.")
 @_option("--straggler-window", "straggler_window_s", type=float, default=30.0, help="Seconds a straggler must last.")
+@_option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    type=float,
+    default=120.0,
+    help="SIGTERM or stop: seconds to wait for the checkpoint before stopping the workers.",
+)
 @_option("--on-nan", type=click.Choice(["skip", "rollback", "stop"]), default="rollback")
 @_option("--max-restarts", type=int, default=20, help="Worker-group restarts on failure (torchrun's meaning).")
 @_option("--monitor-interval", "monitor_interval_s", type=float, default=0.1, help="Worker poll, seconds.")
@@ -125,26 +147,28 @@ _etcd_opts = [
 def _with_etcd_opts(func: Callable[..., Any]) -> Callable[..., Any]:
     for opt in reversed(_etcd_opts):
         func = opt(func)
-    return func
+    return _etcd_access_options(func)
 
 
 @cli.command()
 @_with_etcd_opts
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(etcd: str, run_id: str, etcd_connect_timeout_s: float, as_json: bool) -> None:
+def status(etcd: str, run_id: str, etcd_connect_timeout_s: float, as_json: bool, **access: Any) -> None:
     """Show a run: nodes, round, world size, step, last checkpoint, health."""
+    from elasticd.config import access_from_options
     from elasticd.status import show_status
 
-    sys.exit(show_status(etcd, run_id, etcd_connect_timeout_s, as_json=as_json))
+    sys.exit(show_status(etcd, run_id, etcd_connect_timeout_s, as_json=as_json, access=access_from_options(access)))
 
 
 @cli.command()
 @_with_etcd_opts
-def stop(etcd: str, run_id: str, etcd_connect_timeout_s: float) -> None:
-    """Drain a run: every node stops its workers and exits 0."""
+def stop(etcd: str, run_id: str, etcd_connect_timeout_s: float, **access: Any) -> None:
+    """Drain a run: every node checkpoints, stops its workers and exits 0."""
+    from elasticd.config import access_from_options
     from elasticd.control import request_drain
 
-    sys.exit(request_drain(etcd, run_id, etcd_connect_timeout_s))
+    sys.exit(request_drain(etcd, run_id, etcd_connect_timeout_s, access=access_from_options(access)))
 
 
 @cli.command("etcd")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Literal
 
 from elasticd.errors import ConfigError
+from elasticd.etcd.access import EtcdAccess, resolve_access
 from elasticd.etcd.endpoints import Endpoint, parse_endpoints
 from elasticd.keys import validate_node_id, validate_run_id
 
@@ -44,6 +45,7 @@ class StartConfig:
     nproc_per_node: int = 1
     etcd: tuple[Endpoint, ...] = ()  # empty: start an embedded etcd on 127.0.0.1
     etcd_connect_timeout_s: float = 10.0
+    etcd_access: EtcdAccess = field(default_factory=EtcdAccess)  # TLS files and credentials
     run_id: str = "default"
     node_id: str = field(default_factory=socket.gethostname)
     local_addr: str | None = None
@@ -56,6 +58,7 @@ class StartConfig:
     startup_timeout_s: float = 600.0  # start-up, checkpoint save/load and first-step allowance of the watchdog
     straggler_factor: float = 1.5  # 0 disables straggler reports
     straggler_window_s: float = 30.0
+    drain_timeout_s: float = 120.0  # SIGTERM / stop: budget for the checkpoint before the workers are stopped
     on_nan: OnNan = "rollback"
     max_restarts: int = 20
     monitor_interval_s: float = 0.1
@@ -121,6 +124,22 @@ def parse_rdzv_conf(value: str) -> tuple[tuple[str, str], ...]:
     return tuple(pairs)
 
 
+def access_from_options(values: dict[str, object]) -> EtcdAccess:
+    """``--etcd-cacert/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file`` (and the password env var)."""
+
+    def text(name: str) -> str | None:
+        value = values.get(name)
+        return str(value) if value else None
+
+    return resolve_access(
+        ca_cert=text("etcd_cacert"),
+        cert=text("etcd_cert"),
+        key=text("etcd_key"),
+        user=text("etcd_user"),
+        password_file=text("etcd_password_file"),
+    )
+
+
 def build_start_config(values: dict[str, object]) -> StartConfig:
     """Validate resolved option values (keys are the dataclass field names) into a :class:`StartConfig`."""
     script = Path(str(values["script"]))
@@ -149,6 +168,9 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
 
     etcd_text = values.get("etcd")
     etcd = parse_endpoints(str(etcd_text), key="--etcd") if etcd_text else ()
+    access = access_from_options(values)
+    if not etcd and access != EtcdAccess():
+        raise ConfigError("--etcd", "TLS and credential options need an external etcd (--etcd HOST:PORT)")
 
     def non_negative(key: str, name: str) -> float:
         number = float(str(values[name]))
@@ -180,6 +202,9 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
     straggler_window = float(str(values.get("straggler_window_s", 30.0)))
     if straggler_window <= 0:
         raise ConfigError("--straggler-window", f"must be > 0 seconds, got {straggler_window}")
+    drain = float(str(values.get("drain_timeout_s", 120.0)))
+    if drain <= 0:
+        raise ConfigError("--drain-timeout", f"must be > 0 seconds, got {drain}")
     connect = float(str(values["etcd_connect_timeout_s"]))
     if connect <= 0:
         raise ConfigError("--etcd-connect-timeout", f"must be > 0 seconds, got {connect}")
@@ -192,6 +217,7 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
         nproc_per_node=nproc,
         etcd=etcd,
         etcd_connect_timeout_s=connect,
+        etcd_access=access,
         run_id=run_id,
         node_id=node_id,
         local_addr=str(values["local_addr"]) if values.get("local_addr") else None,
@@ -204,6 +230,7 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
         startup_timeout_s=startup,
         straggler_factor=straggler_factor,
         straggler_window_s=straggler_window,
+        drain_timeout_s=drain,
         on_nan=str(values["on_nan"]),  # type: ignore[arg-type]  # click.Choice checked it
         max_restarts=max_restarts,
         monitor_interval_s=monitor,

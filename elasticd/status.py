@@ -15,6 +15,7 @@ from rich.table import Table
 
 from elasticd.agent.registry import read_nodes
 from elasticd.errors import EXIT_OK, ConfigError
+from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys, validate_run_id
@@ -64,10 +65,14 @@ def _run_health(nodes: list[dict[str, Any]]) -> str:
     return "changing"
 
 
-def show_status(etcd: str, run_id: str, connect_timeout_s: float, *, as_json: bool) -> int:
+def show_status(
+    etcd: str, run_id: str, connect_timeout_s: float, *, as_json: bool, access: EtcdAccess | None = None
+) -> int:
     if (why := validate_run_id(run_id)) is not None:
         raise ConfigError("--run-id", f"{run_id!r}: {why}")
-    client = EtcdClient.connect(parse_endpoints(etcd), connect_timeout_s=connect_timeout_s)
+    client = EtcdClient.connect(
+        parse_endpoints(etcd), connect_timeout_s=connect_timeout_s, **(access or EtcdAccess()).connect_kwargs()
+    )
     try:
         status = collect_status(client, run_id)
     finally:

@@ -62,6 +62,7 @@ def run_daemon(cfg: StartConfig) -> int:
         client = EtcdClient.connect(
             parse_endpoints(endpoints),
             connect_timeout_s=cfg.etcd_connect_timeout_s,
+            **cfg.etcd_access.connect_kwargs(),
             on_error=lambda _exc: metrics.etcd_errors_total.inc(),
         )
         stack.callback(client.close)
@@ -90,6 +91,7 @@ def run_daemon(cfg: StartConfig) -> int:
             max_nodes=cfg.max_nodes,
             local_addr=local_addr,
             **dict(cfg.rdzv_conf),
+            **cfg.etcd_access.rdzv_conf(),
         )
         handler = create_handler(params)
         spec = WorkerSpec(
@@ -112,6 +114,7 @@ def run_daemon(cfg: StartConfig) -> int:
             registry=registry,
             drain_requested=lambda: drain_requested(client, keys),
             write_round=lambda round_: client.put(keys.round, str(round_)),
+            checkpoint_timeout_s=cfg.drain_timeout_s,
             policy=SupervisorPolicy(hang_attempts=cfg.hang_attempts),
             hangs=HangHandler(
                 watchdog=Watchdog(
@@ -212,6 +215,7 @@ def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str, board
             envvars.MIN_NODES: str(cfg.min_nodes),
             envvars.MAX_NODES: str(cfg.max_nodes),
             envvars.BOARD: str(board_dir),
+            **cfg.etcd_access.worker_env(),
         }
     )
     for name, value in _torch_diagnostics_env(cfg).items():

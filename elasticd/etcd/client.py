@@ -13,6 +13,8 @@ import contextlib
 import functools
 import json
 import queue
+import socket
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ import pyetcd.exceptions
 import pyetcd.utils
 import tenacity
 
-from elasticd.errors import ConfigError, ElasticdError, EtcdUnavailableError
+from elasticd.errors import ConfigError, ElasticdError, EtcdAccessError, EtcdUnavailableError
 from elasticd.etcd.endpoints import Endpoint, format_endpoints
 
 T = TypeVar("T")
@@ -48,6 +50,19 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _RPC_ERRORS = (pyetcd.exceptions.Etcd3Exception, grpc.RpcError)
+# Answers that no retry will change: a refused login or a certificate that does not verify. Connecting fails at
+# once with one clear line instead of retrying until the connect timeout.
+_ACCESS_DENIED = (
+    "authentication failed",
+    "invalid user id or password",
+    "user name is empty",
+    "user name not found",
+    "permission denied",
+    "certificate_verify_failed",
+    "certificate verify failed",
+    "ssl handshake failed",
+    "handshake failed",
+)
 
 
 class EtcdError(ElasticdError):
@@ -111,6 +126,8 @@ class EtcdClient:
             raise ConfigError("etcd user/password", "give both the user and the password, or neither")
         creds = _tls_credentials(ca_cert, cert, key)
         text = format_endpoints(list(endpoints))
+        if ca_cert is not None:
+            _check_tls(endpoints, ca_cert, cert, key, min(request_timeout_s, connect_timeout_s))
         # Calls wait for a connection until their deadline, so a dead endpoint costs a whole attempt before
         # pyetcd fails over: leave time in the connect budget to try each endpoint.
         attempt_timeout_s = min(request_timeout_s, connect_timeout_s / len(endpoints))
@@ -131,10 +148,13 @@ class EtcdClient:
                     error = _translate("authenticate", text, exc)
                     if on_error is not None:
                         on_error(error)
-                    raise error from None
+                    raise _access_error(error, text) or error from None
                 clients.append(cls(raw, endpoints, on_error))
             client = clients[0]
-            client._call("status", client._raw.status)
+            try:
+                client._call("status", client._raw.status)
+            except EtcdError as exc:
+                raise _access_error(exc, text) or exc from None
             client._raw.timeout = request_timeout_s
             return client
 
@@ -360,6 +380,47 @@ def _translate(operation: str, endpoint: str, exc: BaseException) -> EtcdError:
     if "lease not found" in detail:
         return EtcdLeaseNotFoundError(operation, endpoint, code, detail)
     return EtcdError(operation, endpoint, code, detail)
+
+
+def _access_error(error: EtcdError, endpoints: str) -> EtcdAccessError | None:
+    detail = str(error).lower()
+    if error.code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or any(s in detail for s in _ACCESS_DENIED):
+        hint = "check --etcd-cacert/--etcd-cert/--etcd-key" if "cert" in detail or "ssl" in detail else ""
+        hint = hint or "check --etcd-user and the password (--etcd-password-file or ELASTICD_ETCD_PASSWORD)"
+        return EtcdAccessError(f"etcd at {endpoints} refused the connection: {error.code}: {_short(error)}; {hint}")
+    return None
+
+
+def _short(error: EtcdError) -> str:
+    """The gRPC detail on one line, without gRPC's addresses-and-timestamps preamble."""
+    text = " ".join(str(error).split(": ", 3)[-1].split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _check_tls(
+    endpoints: Sequence[Endpoint], ca_cert: str, cert: str | None, key: str | None, timeout_s: float
+) -> None:
+    """One TLS handshake with Python's ssl before gRPC: gRPC only reports a certificate that does not verify as a
+    deadline exceeded, after retrying until the connect timeout; this names the reason at once. An endpoint that
+    does not answer at all is left to the normal connect retries."""
+    context = ssl.create_default_context(cafile=ca_cert)
+    if cert is not None and key is not None:
+        context.load_cert_chain(cert, key)
+    for endpoint in endpoints:
+        try:
+            with (
+                socket.create_connection((endpoint.host, endpoint.port), timeout=timeout_s) as raw,
+                context.wrap_socket(raw, server_hostname=endpoint.host),
+            ):
+                return
+        except ssl.SSLError as exc:
+            reason = getattr(exc, "verify_message", None) or exc.reason or str(exc)
+            raise EtcdAccessError(
+                f"etcd at {endpoint.netloc}: TLS handshake failed ({reason}); check --etcd-cacert (the CA that signed"
+                " etcd's certificate) and --etcd-cert/--etcd-key"
+            ) from None
+        except OSError:
+            continue
 
 
 def _tls_credentials(ca_cert: str | None, cert: str | None, key: str | None) -> grpc.ChannelCredentials | None:

@@ -12,6 +12,7 @@ import json
 import time
 from collections.abc import Callable
 
+from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
@@ -32,7 +33,9 @@ class EtcdFence:
     def __call__(self, step: int) -> bool:
         if self._client is None:  # lazily: only the committing rank ever needs etcd
             self._client = EtcdClient.connect(
-                parse_endpoints(self._endpoints), connect_timeout_s=self._connect_timeout_s
+                parse_endpoints(self._endpoints),
+                connect_timeout_s=self._connect_timeout_s,
+                **EtcdAccess.from_worker_env().connect_kwargs(),
             )
         record = json.dumps({"step": step, "round": self._round, "committed_at": time.time()})
         try:

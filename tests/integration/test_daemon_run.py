@@ -118,6 +118,10 @@ def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp
         for name in ("st-a", "st-b"):
             assert c.nodes[name].wait(60) == 0, c.diagnostics()
             assert c.nodes[name].events("draining")
+        # one checkpoint, the same step on both nodes, committed before anyone stopped
+        saved = {c.nodes[name].events("checkpoint_saved")[-1]["step"] for name in ("st-a", "st-b")}
+        assert len(saved) == 1, saved
+        assert (c.checkpoint_dir / "stat" / f"step-{saved.pop():012d}" / "elasticd.json").exists()
         wait_until(lambda: not leftover_processes(["st-a", "st-b"]), 15, "workers to exit")
         after = elasticd("status", "--etcd", etcd.endpoint, "--run-id", "stat", "--json", cwd=tmp_path)
         assert json.loads(after.stdout)["node_count"] == 0  # the records went with the daemons' leases
