@@ -11,7 +11,9 @@ LambdaLR (prepared by the accelerator) over the same map-style synthetic dataset
 - ``elasticd``: the same body with batches from ``run.batches(run.dataloader(...))`` and ``run.step(loss)`` after it
   (so the NaN guard wrapped around ``optimizer.step``, the beat, the batch plan and the coordinator are all in). A
   ``BeatReceiver`` in the benchmark process stands in for the daemon (``ELASTICD_SOCKET``), so beats really leave
-  the worker; checkpoints are off (``WorkerSettings(every_steps=0)``) in a temporary directory.
+  the worker, and a board directory (``ELASTICD_BOARD``) makes the worker write its hang-watchdog slot every step
+  and answer stack and flight-recorder requests (forward-pass timing hooks included); checkpoints are off
+  (``WorkerSettings(every_steps=0)``) in a temporary directory.
 
 A sample is a sequence of 16 tokens of 16 features; the MLP applies to every token, a micro-batch is 32
 sequences. Compute per step (``--compute``): ``sleep`` adds ``time.sleep(0.02)`` to a tiny MLP (the most stable
@@ -186,6 +188,8 @@ def worker(args: argparse.Namespace) -> None:
         checkpoint_dir=args.dir,
         every_steps=0,  # no checkpoint during the measurement
         socket=os.environ[envvars.SOCKET],
+        board=os.environ[envvars.BOARD],  # the hang watchdog's progress slot is written every step, as under a daemon
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         nproc_per_node=world,
     )
     run = elasticd.attach(accelerator, settings)
@@ -322,9 +326,17 @@ def run_once(args: argparse.Namespace, mode: str, ranks: int, workdir: Path, scr
     command += ["--blocks", str(args.blocks), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--breakdown"] if args.breakdown else []
     receiver = BeatReceiver(str(workdir / f"beats-{mode}-{ranks}.sock"))
+    board = workdir / f"board-{mode}-{ranks}"
+    board.mkdir(exist_ok=True)
     # One intra-op thread per process: ranks must not fight over the cores of a small machine.
     code = str(script.parent.parent)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": code, envvars.SOCKET: receiver.path}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": code,
+        envvars.SOCKET: receiver.path,
+        envvars.BOARD: str(board),
+    }
     cores_before = wait_for_quiet(QUIET_TIMEOUT_S)
     machine_before, ours_before = cpu_seconds()
     started = time.monotonic()
