@@ -38,11 +38,14 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
 
     command = ctx.command
     converters: dict[str, Callable[[Any], Any]] = {}
+    dest: dict[str, str] = {}  # option name -> click parameter name (--drain-timeout -> drain_timeout_s)
     for param in command.params:
         if isinstance(param, click.Option) and param.name not in {"config", "help", "version"}:
-            converters[param.opts[0].lstrip("-")] = _converter(param, ctx)
+            name = param.opts[0].lstrip("-")
+            converters[name] = _converter(param, ctx)
+            dest[name] = str(param.name)
     loaded = load_config_file(Path(value), converters)
-    ctx.default_map = {key.replace("-", "_"): val for key, val in loaded.items()}
+    ctx.default_map = {dest[key]: val for key, val in loaded.items()}
     return value
 
 

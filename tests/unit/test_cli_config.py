@@ -151,6 +151,21 @@ def test_precedence_cli_over_env_over_file_over_default(
     assert c.script_args == ("--lr", "3")  # everything after SCRIPT belongs to the script
 
 
+def test_options_with_a_unit_suffix_are_read_from_the_config_file(
+    script: Path, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text(
+        "drain-timeout: 170\nstartup-timeout: 90\netcd-connect-timeout: 4\nstraggler-window: 12\n"
+        "monitor-interval: 0.5\nhang-timeout: 7\n"
+    )
+    code, err = run_cli(["start", "--config", str(cfg), str(script)], capsys)
+    assert code == 0, err
+    (c,) = captured_config
+    assert (c.drain_timeout_s, c.startup_timeout_s, c.etcd_connect_timeout_s) == (170.0, 90.0, 4.0)
+    assert (c.straggler_window_s, c.monitor_interval_s, c.hang_timeout_s) == (12.0, 0.5, 7.0)
+
+
 def test_config_file_from_env(
     script: Path,
     monkeypatch: pytest.MonkeyPatch,
