@@ -138,8 +138,11 @@ class Sample:
     # Seconds after the hang start at which each phase ended (daemon events; worker_ready: last rank's `resumed`).
     phases: dict[str, float] = field(default_factory=dict)
     recovery_s: float | None = None  # the daemon's own `recovered.recovery_s` (detection -> first step beat)
-    hangs_detected: int = 0
-    hangs_cleared: int = 0
+    hangs_detected: int = 0  # suspicions logged (hang_detected)
+    hangs_cleared: int = 0  # suspicions withdrawn by the confirmation window (hang_cleared)
+    hangs_diagnosed: int = 0  # hangs acted on (hang_diagnosed, then a restart or a stop)
+    # false_hang: each hang_detected (timeout_s, silent_s, step, ranks), to tell a slow step from a bad reading.
+    suspicions: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
     completed: bool | None = None  # the run reached its `done` line
     exit_code: int | None = None
@@ -298,9 +301,13 @@ def finish(node: Node, sample: Sample, timeout_s: float, metrics_port: int = 0) 
     sample.exit_code = node.proc.poll()
     sample.hangs_detected = len(node.events("hang_detected"))
     sample.hangs_cleared = len(node.events("hang_cleared"))
+    sample.hangs_diagnosed = len(node.events("hang_diagnosed"))
+    keep = ("timeout_s", "silent_s", "step", "ranks", "timestamp")
+    sample.suspicions = [{k: e.get(k) for k in keep} for e in node.events("hang_detected")]
     sample.restarts = len(node.events("restart"))
     if seen:
-        sample.auto_timeout_s = {"first": seen[0], "last": seen[-1], "min": min(seen), "max": max(seen)}
+        values = {"first": seen[0], "last": seen[-1], "min": min(seen), "max": max(seen)}
+        sample.auto_timeout_s = {k: round(v, 3) for k, v in values.items()}
 
 
 def step_stats(node: Node) -> dict[str, float]:
@@ -342,8 +349,6 @@ def run_elasticd(scenario: str, trial: int, trial_dir: Path, code: Path, sample:
             sample.foreign_cores_during = round(foreign_cores(before, foreign_cpu(), time.time() - t0), 2)
             sample.steps = len(step_lines(node))
             sample.step_s = step_stats(node)
-            if sample.hangs_detected:
-                sample.timeout_s = node.events("hang_detected")[0].get("timeout_s")
         else:
             timeout = f"{FIXED_TIMEOUT_S:g}" if scenario == "fixed" else "auto"
             cmd = elasticd_command(script, etcd.endpoint, run_id, ckpt, timeout, CHECKPOINT_EVERY_STEPS, HANG_EPOCHS)
@@ -424,7 +429,8 @@ def _progress(s: Sample) -> None:
         what = f"{s.note}; watched {s.watched_s} s, {s.processes_alive} processes of the tree alive"
     elif s.scenario == "false_hang":
         what = (
-            f"hang_detected={s.hangs_detected} hang_cleared={s.hangs_cleared} restarts={s.restarts} "
+            f"hang_detected={s.hangs_detected} hang_cleared={s.hangs_cleared} hang_diagnosed={s.hangs_diagnosed} "
+            f"restarts={s.restarts} suspicions={s.suspicions} "
             f"steps={s.steps} step_s={s.step_s} auto_timeout_s={s.auto_timeout_s} "
             f"completed={s.completed} exit={s.exit_code} {s.note}"
         )
@@ -487,7 +493,13 @@ def summarize(samples: Sequence[Sample]) -> dict[str, Any]:
             "completed": [s.completed for s in false],
             "step_s": [s.step_s for s in false],
             "auto_timeout_s": [s.auto_timeout_s for s in false],
-            "target_no_false_hang": all(s.hangs_detected == 0 and s.completed for s in false),
+            "hang_diagnosed": [s.hangs_diagnosed for s in false],
+            "suspicions": [x for s in false for x in s.suspicions],
+            # acted on: a diagnosis or restart; suspected: even a hang_detected the confirmation window withdrew
+            "target_none_acted_on": all(
+                s.hangs_diagnosed == 0 and s.restarts == 0 and s.completed and s.exit_code == 0 for s in false
+            ),
+            "target_none_suspected": all(s.hangs_detected == 0 for s in false),
         }
     return rows
 
@@ -551,9 +563,15 @@ def render(rows: dict[str, Any]) -> str:
     if (f := rows.get("false_hang")) is not None:
         lines.append(
             f"false hangs (auto, {JITTER_FAULT}, checkpoint every {FALSE_HANG_CHECKPOINT_EVERY_STEPS} steps): "
-            f"hang_detected {f['hang_detected']}, hang_cleared {f['hang_cleared']}, restarts {f['restarts']}, "
-            f"completed {f['completed']}: {'met' if f['target_no_false_hang'] else 'MISSED'}"
+            f"hang_detected {f['hang_detected']}, hang_cleared {f['hang_cleared']}, hang_diagnosed "
+            f"{f['hang_diagnosed']}, restarts {f['restarts']}, completed {f['completed']}"
         )
+        acted, suspected = f["target_none_acted_on"], f["target_none_suspected"]
+        lines.append(
+            f"  no false hang acted on: {'met' if acted else 'MISSED'}; "
+            f"no false suspicion either: {'met' if suspected else 'MISSED'}"
+        )
+        lines += [f"  suspicion: {x}" for x in f["suspicions"]]
         for stats, timeout in zip(f["step_s"], f["auto_timeout_s"], strict=True):
             lines.append(f"  step intervals (s): {stats}; auto timeout in force (s): {timeout}")
     lines.append("")
