@@ -549,7 +549,7 @@ def render(rows: dict[str, Any]) -> str:
     if (t := rows.get("torchrun")) is not None:
         bound = f"none in {t['watched_s']:g} (bound {GLOO_TIMEOUT_S:g})"
         body.append([LABELS["torchrun"], bound, "", "", f"> {GLOO_TIMEOUT_S:g} + restart", "", "gloo 1800", "-"])
-    lines = [text_table(head, body), ""]
+    lines = [text_table(head, body), ""] if body else []
     lines.append(
         "hang start: t of rank 0's step line for step 29; bound/elasticd: gloo's 1800 s collective timeout over the "
         "elasticd median (detection / first step); *: others used > 0.25 cores"
