@@ -6,9 +6,10 @@ directory) and overwrites it at every step boundary and phase change: one ``stru
 no system call. The daemon reads the slots whenever it likes (every monitor interval). Both clocks are
 ``CLOCK_MONOTONIC`` (``time.monotonic``), which is one clock for all processes of a host.
 
-The layout is defined here only, for both sides. A torn read (the daemon reading while the worker writes) can mix two
-consecutive updates; every field is monotone within a worker generation, so the watchdog at worst sees progress one
-update late.
+The layout is defined here only, for both sides. Each side packs its fields into bytes first and copies them into the
+map in one slice assignment: ``struct.pack_into`` would zero the whole slot before writing it, and a reader could
+catch a slot that looks valid with a progress time of 0 (a rank "silent since boot"). The reader also reads until
+two reads agree, so it never mixes two updates either.
 """
 
 from __future__ import annotations
@@ -86,10 +87,8 @@ class SlotWriter:
         self._write()
 
     def _write(self) -> None:
-        struct.pack_into(
+        self._map[:_REQUEST_AT] = struct.pack(
             _WORKER_FORMAT,
-            self._map,
-            0,
             _MAGIC,
             _VERSION,
             self.pid,
@@ -134,7 +133,7 @@ class SlotWriter:
         self.set_phase(Phase.TRAINING)
 
     def answered_dump(self, request: int) -> None:
-        struct.pack_into("<Q", self._map, _DONE_AT, request)
+        self._map[_DONE_AT : _DONE_AT + 8] = struct.pack("<Q", request)
 
     def close(self) -> None:
         self._map.close()
@@ -145,6 +144,11 @@ def read_slot(path: str | Path) -> Slot | None:
     try:
         with open(path, "rb") as f:
             data = f.read(SIZE)
+            for _ in range(3):  # a read that overlapped a write differs from the next one
+                again = os.pread(f.fileno(), SIZE, 0)
+                if again == data:
+                    break
+                data = again
     except OSError:
         return None
     if len(data) < SIZE:
@@ -165,7 +169,7 @@ def request_dump(path: str | Path) -> int:
     """The daemon's side: ask the worker for its flight-recorder dump; returns the request number."""
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), SIZE) as m:
         request = int(struct.unpack_from("<Q", m, _REQUEST_AT)[0]) + 1
-        struct.pack_into("<Q", m, _REQUEST_AT, request)
+        m[_REQUEST_AT : _REQUEST_AT + 8] = struct.pack("<Q", request)
     return request
 
 
