@@ -43,6 +43,7 @@ class Phase(IntEnum):
     CHECKPOINT = 3  # the blocking part of a save
     PARKED = 4  # saved the checkpoint its daemon asked for; waiting to be stopped
     DONE = 5  # epochs finished: final waits and exit
+    BUSY = 6  # the script's own long work between steps (``with run.busy():``, e.g. an evaluation)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ allowance, because a 100 ms step and a 3-minute checkpoint load must not share o
   (``auto``: after :data:`AUTO_WARMUP_STEPS` steps, ``clamp(AUTO_FACTOR * p99 of the last AUTO_WINDOW step times,
   AUTO_FLOOR_S, AUTO_CAP_S)``; until then the start-up allowance);
 - start-up (process start to the first completed step, which includes imports, the process group, the checkpoint
-  load and the first step's one-off work), checkpoint saves and loads, and the final waits: the **start-up
-  allowance** (``--startup-timeout``);
+  load and the first step's one-off work), checkpoint saves and loads, the script's own long work between steps
+  (``with run.busy():``, an evaluation say) and the final waits: the **start-up allowance** (``--startup-timeout``);
 - ``PARKED`` (the worker waits for us after a checkpoint we asked for): never a hang.
 
 Step times come from the workers (checkpoint saves excluded), so a run that checkpoints does not teach the watchdog
@@ -33,6 +33,10 @@ AUTO_FACTOR = 5.0
 # NCCL heartbeat timeout elasticd sets (docs/architecture.md, "timeout hierarchy").
 AUTO_FLOOR_S = 0.5
 AUTO_CAP_S = 300.0
+
+
+# Phases judged by the start-up allowance: one-off work whose length has nothing to do with a step's.
+_STARTUP_PHASES = (Phase.STARTING, Phase.LOADING, Phase.CHECKPOINT, Phase.DONE, Phase.BUSY)
 
 
 class AutoTimeout:
@@ -146,7 +150,7 @@ class Watchdog:
             self.auto.observe(slot.step_s)
 
     def _allowance(self, slot: Slot | None) -> float | None:
-        if slot is None or slot.phase in (Phase.STARTING, Phase.LOADING, Phase.CHECKPOINT, Phase.DONE):
+        if slot is None or slot.phase in _STARTUP_PHASES:
             return self.startup_s
         if slot.phase is Phase.PARKED:
             return None

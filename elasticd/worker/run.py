@@ -19,6 +19,7 @@ optimizer step is accounted for: data position, guard verdict, beats, checkpoint
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import time
@@ -340,6 +341,20 @@ class Run:
         self._generation += 1
         self.slot.resumed(self.state.step)
         self.log.warning("rolled_back", to_step=self.state.step, skipped=sorted(bad))
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Wrap the script's own long work between steps (an evaluation, a custom export) in ``with run.busy():``.
+
+        The hang watchdog then allows it ``--startup-timeout`` instead of the step timeout, which it would
+        otherwise take for a hang (``--hang-timeout auto`` is a few step times). Without a daemon it does nothing.
+        """
+        previous = self.slot.phase
+        self.slot.set_phase(Phase.BUSY)
+        try:
+            yield
+        finally:
+            self.slot.set_phase(Phase.TRAINING if previous is Phase.BUSY else previous)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 

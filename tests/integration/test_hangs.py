@@ -211,3 +211,29 @@ def test_auto_timeout_no_false_hang_when_step_times_vary_3x_and_the_run_checkpoi
         assert not node.events("restart")
         times = [e for e in read_json_lines(node.out) if e.get("event") == "step"]
         assert len(times) >= 80
+
+
+SCRIPT = Path(__file__).parent / "scripts" / "evaluating_train.py"
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["inside-run-busy", "unmarked"])
+def test_long_evaluation_between_steps_is_no_hang_inside_run_busy(etcd, tmp_path: Path, busy: bool) -> None:  # type: ignore[no-untyped-def]
+    args = ("--steps", "30", "--eval-at", "15", "--eval-seconds", "4", *(["--busy"] if busy else []))
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id=f"busy-{busy}",
+        nproc_per_node=2,
+        script=SCRIPT,
+        script_args=args,
+        extra=("--hang-timeout", "auto", "--hang-attempts", "1"),
+    ) as c:
+        node = c.start("bz-a")
+        code = node.wait(120)
+        if busy:
+            assert code == 0 and not node.events("hang_detected"), c.diagnostics()
+            assert c.last_step()["step"] == 30  # type: ignore[index]
+        else:
+            # the same pause without run.busy() looks exactly like a hang to a watchdog that learned 50 ms steps
+            assert node.events("hang_detected") and node.events("hang_diagnosed"), c.diagnostics()
+            assert code == 1

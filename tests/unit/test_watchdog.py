@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,25 @@ def test_checkpoint_time_is_not_learned_as_a_step() -> None:
     saving = replace(slot, phase=Phase.CHECKPOINT, progress_t=now)
     assert w.check(now + 30.0, {0: saving}) is None
     assert w.timeout_s == pytest.approx(0.5)
+
+
+def test_work_the_script_marks_busy_gets_the_startup_allowance() -> None:
+    w = watchdog(timeout_s=2.0, startup_s=60.0)
+    evaluating = replace(TRAINING, phase=Phase.BUSY)
+    assert w.check(150.0, {0: evaluating}) is None
+    assert w.check(161.0, {0: evaluating}) is not None
+
+
+def test_run_busy_marks_the_slot_and_restores_training(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from elasticd.board import SlotWriter, read_slot, slot_path
+    from elasticd.worker.run import Run
+
+    path = slot_path(tmp_path, 0)
+    run = SimpleNamespace(slot=SlotWriter(path))
+    run.slot.resumed(3)
+    with Run.busy(run):  # type: ignore[arg-type]
+        assert read_slot(path).phase is Phase.BUSY  # type: ignore[union-attr]
+    slot = read_slot(path)
+    assert slot is not None and slot.phase is Phase.TRAINING
