@@ -36,16 +36,18 @@ def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None)
         return value
     from elasticd.config_file import load_config_file
 
-    command = ctx.command
     converters: dict[str, Callable[[Any], Any]] = {}
     dest: dict[str, str] = {}  # option name -> click parameter name (--drain-timeout -> drain_timeout_s)
-    for param in command.params:
-        if isinstance(param, click.Option) and param.name not in {"config", "help", "version"}:
-            name = param.opts[0].lstrip("-")
-            converters[name] = _converter(param, ctx)
-            dest[name] = str(param.name)
+    # status and stop read the same file as start: start's other keys are checked, then ignored
+    for command in (start, ctx.command):
+        for param in command.params:
+            if isinstance(param, click.Option) and param.name not in {"config", "help", "version"}:
+                name = param.opts[0].lstrip("-")
+                converters[name] = _converter(param, ctx)
+                if command is ctx.command:
+                    dest[name] = str(param.name)
     loaded = load_config_file(Path(value), converters)
-    ctx.default_map = {dest[key]: val for key, val in loaded.items()}
+    ctx.default_map = {dest[key]: val for key, val in loaded.items() if key in dest}
     return value
 
 
@@ -79,11 +81,7 @@ def cli() -> None:
     """Fault-tolerant elastic training daemon for PyTorch (one per node)."""
 
 
-@cli.command(
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    no_args_is_help=True,
-)
-@click.option(
+_config_option = click.option(
     "--config",
     envvar=_env("config"),
     type=click.Path(dir_okay=False),
@@ -92,6 +90,13 @@ def cli() -> None:
     callback=_load_config,
     help="YAML file of option names to values (CLI > env > file > default).",
 )
+
+
+@cli.command(
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    no_args_is_help=True,
+)
+@_config_option
 @_option("--min-nodes", type=int, default=1, help="Fewest nodes the job runs with.")
 @_option("--max-nodes", type=int, default=1, help="Most nodes the job grows to.")
 @_option("--nproc-per-node", default="1", help="Workers per node: N or 'auto' (GPUs, else 1).")
@@ -150,7 +155,7 @@ _etcd_opts = [
 def _with_etcd_opts(func: Callable[..., Any]) -> Callable[..., Any]:
     for opt in reversed(_etcd_opts):
         func = opt(func)
-    return _etcd_access_options(func)
+    return _config_option(_etcd_access_options(func))
 
 
 @cli.command()

@@ -197,3 +197,25 @@ def test_metrics_port_in_use_is_a_usage_error(script: Path, capsys: pytest.Captu
         port = busy.getsockname()[1]
         code, err = run_cli(["start", "--metrics-port", str(port), "--etcd", "127.0.0.1:1", str(script)], capsys)
     assert_one_line_error(code, err, "--metrics-port", str(port), "in use")
+
+
+def test_status_and_stop_read_start_s_config_file_and_ignore_its_other_keys(
+    script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[tuple[str, str]] = []
+
+    def fake(etcd: str, run_id: str, _timeout: float, **_kw: object) -> int:
+        seen.append((etcd, run_id))
+        return 0
+
+    monkeypatch.setattr("elasticd.status.show_status", fake)
+    monkeypatch.setattr("elasticd.control.request_drain", fake)
+    cfg = script.parent / "elasticd.yaml"
+    cfg.write_text("etcd: etcd-0:2379\nrun-id: job7\nmin-nodes: 2\nhang-timeout: auto\n")
+    assert run_cli(["status", "--config", str(cfg)], capsys)[0] == 0
+    monkeypatch.setenv("ELASTICD_CONFIG", str(cfg))
+    assert run_cli(["stop", "--run-id", "other"], capsys)[0] == 0
+    assert seen == [("etcd-0:2379", "job7"), ("etcd-0:2379", "other")]
+    cfg.write_text("etcd: etcd-0:2379\nmin-nodez: 2\n")
+    code, err = run_cli(["status", "--config", str(cfg)], capsys)
+    assert_one_line_error(code, err, "min-nodez", "min-nodes")
