@@ -9,7 +9,8 @@ allowance, because a 100 ms step and a 3-minute checkpoint load must not share o
 - start-up (process start to the first completed step, which includes imports, the process group, the checkpoint
   load and the first step's one-off work), checkpoint saves and loads, the script's own long work between steps
   (``with run.busy():``, an evaluation say) and the final waits: the **start-up allowance** (``--startup-timeout``);
-- ``PARKED`` (the worker waits for us after a checkpoint we asked for): never a hang.
+- ``PARKED`` (the worker waits for us after a checkpoint we asked for): never a hang;
+- a worker that has not attached (``elasticd.attach``), or a script that does not use the library: not watched.
 
 Step times come from the workers (checkpoint saves excluded), so a run that checkpoints does not teach the watchdog
 that a step may take as long as a save. :meth:`Watchdog.check` is pure apart from reading slots; tests drive it with
@@ -150,7 +151,11 @@ class Watchdog:
             self.auto.observe(slot.step_s)
 
     def _allowance(self, slot: Slot | None) -> float | None:
-        if slot is None or slot.phase in _STARTUP_PHASES:
+        if slot is None:
+            # Not attached (yet): a script without the worker library never reports progress, so silence means
+            # nothing. Hangs before attach (in the process group's creation) are left to torch's init timeout.
+            return None
+        if slot.phase in _STARTUP_PHASES:
             return self.startup_s
         if slot.phase is Phase.PARKED:
             return None
