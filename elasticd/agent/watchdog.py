@@ -4,8 +4,8 @@ Progress is read from the board (``elasticd/board.py``): a completed step, or a 
 allowance, because a 100 ms step and a 3-minute checkpoint load must not share one timeout:
 
 - ``TRAINING`` after the first step of the process: the **hang timeout**, fixed (``--hang-timeout S``) or learned
-  (``auto``: after :data:`AUTO_WARMUP_STEPS` steps, ``clamp(AUTO_FACTOR * p99 of the last AUTO_WINDOW step times,
-  AUTO_FLOOR_S, AUTO_CAP_S)``; until then the start-up allowance);
+  (``auto``: after :data:`AUTO_WARMUP_STEPS` steps, ``clamp(max(AUTO_FACTOR * p99 of the last AUTO_WINDOW step
+  times, LONGEST_FACTOR * the longest step seen), AUTO_FLOOR_S, AUTO_CAP_S)``; until then the start-up allowance);
 - start-up (process start to the first completed step, which includes imports, the process group, the checkpoint
   load and the first step's one-off work), checkpoint saves and loads, the script's own long work between steps
   (``with run.busy():``, an evaluation say) and the final waits: the **start-up allowance** (``--startup-timeout``);
@@ -30,6 +30,9 @@ AUTO_WARMUP_STEPS = 5
 AUTO_WINDOW = 100
 # k * p99: a step k times the slowest of the last hundred is not a slow step any more.
 AUTO_FACTOR = 5.0
+# A slow step that recurs rarely (logging or a sync every few hundred steps) drops out of the window; twice the
+# longest step ever seen keeps the timeout above it once it has been seen.
+LONGEST_FACTOR = 2.0
 # Seconds. The floor keeps a burst of fast steps from making a 100 ms hiccup a hang; the cap keeps auto below the
 # NCCL heartbeat timeout elasticd sets (docs/architecture.md, "timeout hierarchy").
 AUTO_FLOOR_S = 0.5
@@ -54,10 +57,12 @@ class AutoTimeout:
     ) -> None:
         self.factor, self.floor_s, self.cap_s, self.warmup = factor, floor_s, cap_s, warmup
         self._samples: deque[float] = deque(maxlen=window)
+        self.longest_s = 0.0
 
     def observe(self, step_s: float) -> None:
         if step_s > 0 and math.isfinite(step_s):
             self._samples.append(step_s)
+            self.longest_s = max(self.longest_s, step_s)
 
     @property
     def p99(self) -> float | None:
@@ -71,7 +76,7 @@ class AutoTimeout:
         p99 = self.p99
         if p99 is None or len(self._samples) < self.warmup:
             return None
-        return min(self.cap_s, max(self.floor_s, self.factor * p99))
+        return min(self.cap_s, max(self.floor_s, self.factor * p99, LONGEST_FACTOR * self.longest_s))
 
 
 @dataclass(frozen=True, slots=True)

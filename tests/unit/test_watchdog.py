@@ -78,6 +78,15 @@ def test_auto_timeout_learns_from_steps_after_warmup() -> None:
     assert auto.value == pytest.approx(1.5)  # the p99 follows the slower steps
 
 
+def test_a_rare_slow_step_keeps_the_timeout_above_it_after_leaving_the_window() -> None:
+    auto = AutoTimeout(factor=5.0, floor_s=0.5, warmup=5, window=100)
+    auto.observe(1.6)  # a slow step every few hundred (a sync, a log flush)
+    for _ in range(300):
+        auto.observe(0.1)
+    assert auto.p99 == pytest.approx(0.1)
+    assert auto.value == pytest.approx(3.2)  # 2 x the longest seen, not 5 x p99 = 0.5 s
+
+
 def test_auto_timeout_has_a_floor_and_a_cap() -> None:
     auto = AutoTimeout(warmup=1, cap_s=10.0)
     auto.observe(0.001)
