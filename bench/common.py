@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -350,3 +351,28 @@ def finite(value: Any) -> Any:
     if isinstance(value, list):
         return [finite(v) for v in value]
     return value
+
+
+def preflight(code: Path, script_flags: Sequence[str], daemon_flags: Sequence[str], bench: str) -> str | None:
+    """Why the copied code cannot run a benchmark's job (a flag examples/train.py or ``elasticd start`` lacks)."""
+    env = {**os.environ, "PYTHONPATH": str(code)}
+    checks = [
+        ([str(code / "examples" / "train.py"), "--help"], list(script_flags)),
+        (["-m", "elasticd", "start", "--help"], list(daemon_flags)),
+    ]
+    for command, flags in checks:
+        done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
+        missing = [f for f in flags if f not in done.stdout]
+        if done.returncode != 0 or missing:
+            what = " ".join(command[:3]).replace(str(code) + "/", "")
+            return f"`{what}` lacks {', '.join(missing) or 'nothing'} (exit {done.returncode}): update bench/{bench}"
+    return None
+
+
+def interrupt_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every process tree and etcd a benchmark started is stopped."""
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)

@@ -35,12 +35,9 @@ import abc
 import argparse
 import json
 import math
-import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,9 +63,11 @@ from bench.common import (
     foreign_cpu,
     free_port,
     glog_to_unix,
+    interrupt_on_sigterm,
     iso_to_unix,
     listening_on,
     machine,
+    preflight,
     snapshot_code,
     text_table,
     wait_for_quiet,
@@ -649,24 +648,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def preflight(code: Path) -> str | None:
-    """Why the copied code cannot run this benchmark's job (a flag the script or the daemon lacks), or None."""
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    checks = [
-        ([str(code / "examples" / "train.py"), "--help"], [a for a in SCRIPT_ARGS if a.startswith("--")]),
-        (["-m", "elasticd", "start", "--help"], ["--checkpoint-every-steps", "--checkpoint-dir"]),
-    ]
-    for command, flags in checks:
-        done = subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
-        missing = [f for f in flags if f not in done.stdout]
-        if done.returncode != 0 or missing:
-            what = " ".join(command[:3]).replace(str(code) + "/", "")
-            return (
-                f"`{what}` lacks {', '.join(missing) or 'nothing'} (exit {done.returncode}): update bench/recovery.py"
-            )
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     systems = [args.only] if args.only else list(SYSTEMS)
@@ -674,11 +655,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     revision = code_revision()
     code = snapshot_code(workdir / "code")
-    if (problem := preflight(code)) is not None:
+    script_flags = [a for a in SCRIPT_ARGS if a.startswith("--")]
+    problem = preflight(code, script_flags, ["--checkpoint-every-steps", "--checkpoint-dir"], "recovery.py")
+    if problem is not None:
         print(f"bench/recovery.py: {problem}", file=sys.stderr)
         return 2
-    # SIGTERM unwinds like Ctrl-C, so every process tree and etcd started so far is stopped.
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupt_on_sigterm()
     started = time.time()
     samples: list[Sample] = []
     try:
@@ -718,10 +700,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(f"node logs: {workdir}", file=sys.stderr)
     return 0
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
