@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -203,15 +202,3 @@ def process_state(pid: int) -> str:
     # the command name is in parentheses and may hold spaces: the state follows the last ')'
     code = stat.rsplit(")", 1)[-1].split()[0]
     return _PROC_STATES.get(code, code)
-
-
-def kill_hung(pids: dict[int, int]) -> None:
-    """SIGKILL each hung worker's process group: a stopped or wedged process ignores the polite signals."""
-    own_group = os.getpgid(0)
-    for pid in pids.values():
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            group = os.getpgid(pid)
-            if group != own_group:  # torch starts each worker in its own session; never signal our own group
-                os.killpg(group, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from elasticd.agent.agreement import HangAgreement
+from elasticd.agent.diagnosis import diagnose
 from elasticd.agent.evidence import collect
 from elasticd.agent.policy import HangReport
 from elasticd.agent.watchdog import Suspicion, Watchdog
@@ -167,8 +168,6 @@ class HangHandler:
     def _agree(
         self, round_: int, members: list[str], evidence: list[Any], *, owner: bool, extra: dict[str, Any]
     ) -> dict[str, Any]:
-        from elasticd.agent.diagnosis import diagnose
-
         agreement = self._agreement
         if agreement is not None:
             try:

@@ -22,7 +22,6 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticd import envvars
-from elasticd.agent.evidence import kill_hung
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.policy import Action, GroupState, HangReport, Observation, SupervisorPolicy
 from elasticd.agent.progress import ProgressTracker
@@ -272,22 +271,34 @@ class ElasticdAgent(LocalElasticAgent):
         )
 
     def _kill_local_workers(self) -> None:
+        """SIGKILL each worker's process group: a stopped or wedged process ignores the polite signals."""
         pcontext = self._pcontext
-        if pcontext is not None:
-            kill_hung(dict(pcontext.pids()))
+        if pcontext is None:
+            return
+        own_group = os.getpgid(0)
+        for pid in pcontext.pids().values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                group = os.getpgid(pid)
+                if group != own_group:  # torch starts each worker in its own session; never signal our own group
+                    os.killpg(group, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _check_stragglers(self, now: float) -> None:
         detector = self.stragglers
         if not detector.enabled:
             return
-        medians = detector.local_medians(now)
-        self._registry.update(own_s={str(rank): round(m, 6) for rank, m in medians.items()})
-        peers: dict[int, float] = {}
-        records: list[dict[str, Any]] = self._poll(self._read_peers, [])
-        for record in records:
-            if record.get("node_id") != self._node_id and record.get("round") == self.round:
-                peers.update({int(r): float(m) for r, m in (record.get("own_s") or {}).items()})
-        detector.peers(peers)
+        if len(self._members) > 1:  # alone in the round: no other node to tell or hear from
+            medians = detector.local_medians(now)
+            self._registry.update(own_s={str(rank): round(m, 6) for rank, m in medians.items()})
+            peers: dict[int, float] = {}
+            records: list[dict[str, Any]] = self._poll(self._read_peers, [])
+            for record in records:
+                if record.get("node_id") != self._node_id and record.get("round") == self.round:
+                    peers.update({int(r): float(m) for r, m in (record.get("own_s") or {}).items()})
+            detector.peers(peers)
+        else:
+            detector.peers({})
         for event in detector.check(now):
             if event.kind == "detected":
                 self._metrics.stragglers_total.inc()
