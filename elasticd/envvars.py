@@ -23,8 +23,10 @@ MAX_NODES = "ELASTICD_MAX_NODES"
 # Directory of the progress board (elasticd/board.py): a shared-memory slot per local worker, and where a worker
 # writes its stacks and flight-recorder dump when its daemon suspects a hang.
 BOARD = "ELASTICD_BOARD"
-# The rendezvous round the workers were started in; a checkpoint writer from an older round is fenced off.
+# The rendezvous round the workers were started in (recorded in checkpoint manifests).
 ROUND = "ELASTICD_ROUND"
+# The fencing token of the worker group (elasticd/lineage.py): a commit is recorded only while it is current.
+FENCE_TOKEN = "ELASTICD_FENCE_TOKEN"
 # Test-only fault injection (documented as a testing aid in docs/testing.md).
 FAULT = "ELASTICD_FAULT"
 

@@ -59,9 +59,17 @@ class RunKeys:
         return f"{self.nodes_prefix}{node_id}"
 
     @property
-    def round(self) -> str:
-        """The current rendezvous round, written by each round's rank-0 agent: the fence for checkpoint commits."""
-        return f"{self.prefix}round"
+    def lineage_token(self) -> str:
+        """The fencing token of the group allowed to commit checkpoints now (elasticd/lineage.py)."""
+        return f"{self.prefix}lineage/token"
+
+    @property
+    def lineage_checkpoints_prefix(self) -> str:
+        return f"{self.prefix}lineage/checkpoints/"
+
+    def lineage_checkpoint(self, step: int) -> str:
+        """The record of the committed checkpoint of ``step`` (zero-padded, so key order is step order)."""
+        return f"{self.lineage_checkpoints_prefix}{step:012d}"
 
     @property
     def checkpoint_latest(self) -> str:

@@ -17,6 +17,7 @@ from elasticd.errors import ConfigError
 
 RESTART_REASONS = ("failure", "hang", "nan", "membership", "drain")
 NONFINITE_ACTIONS = ("skip", "rollback", "stop")
+CHECKPOINT_FAILURE_REASONS = ("fenced", "error")
 CHECKPOINT_PHASES = ("blocking", "total")
 
 # Seconds; spans a rendezvous on one host (~0.1 s) to a slow cluster formation (minutes).
@@ -53,6 +54,7 @@ class Metrics:
     checkpoint_last_step: Gauge
     checkpoint_last_success_timestamp_seconds: Gauge
     checkpoint_failures_total: Counter
+    fence_token_failures_total: Counter
     recovery_duration_seconds: Histogram
     lost_steps_total: Counter
     goodput_ratio: Gauge
@@ -118,7 +120,17 @@ class Metrics:
                 "Commit time of the last checkpoint.",
                 **kw,
             ),
-            checkpoint_failures_total=Counter("elasticd_checkpoint_failures", "Failed checkpoint saves.", **kw),
+            checkpoint_failures_total=Counter(
+                "elasticd_checkpoint_failures",
+                "Checkpoint saves that did not commit: fenced (a stale writer refused) or error (an I/O error).",
+                ["reason"],
+                **kw,
+            ),
+            fence_token_failures_total=Counter(
+                "elasticd_fence_token_failures",
+                "Rounds whose fencing token could not be written (they start no workers and are formed again).",
+                **kw,
+            ),
             recovery_duration_seconds=Histogram(
                 "elasticd_recovery_duration_seconds",
                 "Fault detected to the first completed step after the restart.",
@@ -140,6 +152,8 @@ class Metrics:
             m.nonfinite_steps_total.labels(action=action)
         for phase in CHECKPOINT_PHASES:
             m.checkpoint_duration_seconds.labels(phase=phase)
+        for reason in CHECKPOINT_FAILURE_REASONS:
+            m.checkpoint_failures_total.labels(reason=reason)
         return m
 
 

@@ -232,8 +232,12 @@ def _checkpoints() -> list[PanelSpec]:
         ),
         PanelSpec(
             "Checkpoint failures",
-            "Failed checkpoint saves reported by each node's workers.",
-            [Query(per_node(rate("increase", "elasticd_checkpoint_failures_total")), "{{node}}")],
+            "Saves that did not commit, by reason: fenced (a writer from a stale group was refused by the lineage)"
+            " or error (an I/O error such as a full disk); and rounds whose fencing token could not be written.",
+            [
+                Query(per_node(rate("increase", "elasticd_checkpoint_failures_total")), "{{node}} {{reason}}"),
+                Query(per_node(rate("increase", "elasticd_fence_token_failures_total")), "{{node}} token"),
+            ],
             bars=True,
         ),
         PanelSpec(

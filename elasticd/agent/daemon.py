@@ -14,6 +14,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
@@ -37,10 +38,12 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
+from elasticd.lineage import CheckpointRecord, Lineage
 from elasticd.logging import configure_logging, get_logger
 from elasticd.metrics import Metrics, MetricsServer
 from elasticd.rendezvous.handler import ElasticdRendezvousHandler, create_handler
 from elasticd.rendezvous.reset import clear_finished_run
+from elasticd.worker.checkpoints import CheckpointStore
 
 
 def run_daemon(cfg: StartConfig) -> int:
@@ -113,7 +116,8 @@ def run_daemon(cfg: StartConfig) -> int:
             metrics=metrics,
             registry=registry,
             drain_requested=lambda: drain_requested(client, keys),
-            write_round=lambda round_: client.put(keys.round, str(round_)),
+            lineage=Lineage(client, keys),
+            adopt=lambda: _adopt_from_disk(cfg, log),
             checkpoint_timeout_s=cfg.drain_timeout_s,
             policy=SupervisorPolicy(hang_attempts=cfg.hang_attempts),
             hangs=HangHandler(
@@ -179,6 +183,19 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
         handler.shutdown()  # finished or drained: the run is over for every node, so close the rendezvous
     logger.info("exit", code=EXIT_OK, drained=agent.drained, left=agent.left)
     return EXIT_OK
+
+
+def _adopt_from_disk(cfg: StartConfig, log: Any) -> CheckpointRecord | None:
+    """A fresh lineage (a new run id, or an etcd that came back empty) starts from the newest checkpoint on disk
+    that verifies; committed ``step-N`` directories only ever come from recorded commits."""
+    store = CheckpointStore(cfg.checkpoint_dir.resolve(), cfg.run_id)
+    found = store.latest_loadable(
+        on_bad=lambda cp, reason: log.warning("checkpoint_unusable", path=str(cp.path), reason=reason)
+    )
+    if found is None:
+        return None
+    log.info("lineage_adopted", step=found.step, path=str(found.path))
+    return store.record_for(found, "adopted")
 
 
 def _install_leave_signals(agent: ElasticdAgent) -> None:

@@ -53,6 +53,9 @@ class Observation:
     peer_checkpointed: bool = False
     fatal_message: str = ""  # a worker reported it must stop for good (e.g. non-finite steps beyond --on-nan)
     hang: HangReport | None = None  # the workers made no progress within the hang timeout
+    # the fencing token the workers hold is no longer the run's (etcd lost its data, or a newer group took over):
+    # they could never commit again
+    lineage_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,10 @@ class SupervisorPolicy:
                 reason="failure",
                 message="a worker failed and no restarts are left (raise --max-restarts to allow more)",
             )
+        if obs.lineage_lost:
+            # A new round re-establishes the run's keys and gives the workers a current token; like a membership
+            # change it costs no restart, and no checkpoint first: it could not be committed.
+            return Decision(Action.RESTART, reason="membership")
         if obs.hang is not None:
             hang = obs.hang
             if hang.attempt >= self.hang_attempts:

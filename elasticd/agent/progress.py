@@ -81,7 +81,11 @@ class ProgressTracker:
                 if isinstance(beat.get(key), int | float):
                     m.checkpoint_duration_seconds.labels(phase=phase).observe(beat[key])
         elif kind == "checkpoint_failed":
-            m.checkpoint_failures_total.inc()
+            m.checkpoint_failures_total.labels(reason="error").inc()
+            self._log().warning("checkpoint_failed", step=beat.get("step"), error=beat.get("error"))
+        elif kind == "checkpoint_fenced":
+            m.checkpoint_failures_total.labels(reason="fenced").inc()
+            self._log().warning("checkpoint_fenced", step=beat.get("step"))
 
     def _on_step(self, beat: dict[str, Any]) -> None:
         m = self._metrics

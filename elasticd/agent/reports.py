@@ -26,7 +26,7 @@ class WorkerReports:
         self._local_ranks: set[int] = set()
         self._capable: set[int] = set()
         self._stacks: set[int] = set()  # registered the stack dump signal (SIGUSR1 is safe to send)
-        self._saved: dict[int, int] = {}
+        self._saved: dict[int, tuple[int, bool]] = {}  # local rank -> (step, committed)
         self._fatal: Fatal | None = None
         self.last_step: int | None = None
 
@@ -49,7 +49,7 @@ class WorkerReports:
                 if "stacks" in capabilities:
                     self._stacks.add(local_rank)
             elif kind == "checkpoint_saved" and beat.get("requested"):
-                self._saved[local_rank] = int(beat.get("step", 0))
+                self._saved[local_rank] = (int(beat.get("step", 0)), beat.get("committed") is not False)
             elif kind == "fatal" and self._fatal is None:
                 self._fatal = Fatal(
                     str(beat.get("reason", "")), str(beat.get("message", "")), int(beat.get("exit_code", 1))
@@ -70,8 +70,18 @@ class WorkerReports:
             return bool(self._local_ranks) and self._local_ranks <= set(self._saved)
 
     def saved_step(self) -> int | None:
+        """The step of the checkpoint the workers saved on request, if it was committed (else None)."""
         with self._lock:
-            return max(self._saved.values()) if self._saved else None
+            committed = [step for step, ok in self._saved.values() if ok]
+            if not committed or len(committed) < len(self._saved):
+                return None
+            return max(committed)
+
+    def saved_but_fenced(self) -> int | None:
+        """The step of a requested checkpoint that the fence refused (its steps will be redone), else None."""
+        with self._lock:
+            fenced = [step for step, ok in self._saved.values() if not ok]
+            return max(fenced) if fenced else None
 
     def clear_saved(self) -> None:
         with self._lock:

@@ -28,13 +28,17 @@ from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.stragglers import StragglerDetector
+from elasticd.errors import RoundAbandoned
 from elasticd.etcd.client import EtcdError
+from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
 from elasticd.metrics import Metrics
 
 T = TypeVar("T")
 
 _NODE_KEY = "elasticd/node/"
+# The round's fencing token, published by its rank-0 agent in the round's store ("" when it could not be written).
+_TOKEN_KEY = "elasticd/token"
 # Seconds to wait for every agent of a fresh round to publish its node id; a peer that dies in between makes the
 # round fail anyway, so this only bounds how long we wait to notice.
 _MEMBERSHIP_TIMEOUT_S = 60
@@ -57,7 +61,8 @@ class ElasticdAgent(LocalElasticAgent):
         metrics: Metrics,
         registry: NodeRegistry,
         drain_requested: Callable[[], bool],
-        write_round: Callable[[int], None] = lambda _round: None,
+        lineage: Lineage | None = None,
+        adopt: Callable[[], CheckpointRecord | None] | None = None,
         checkpoint_timeout_s: float = 120.0,
         policy: SupervisorPolicy | None = None,
         hangs: HangHandler | None = None,
@@ -83,7 +88,9 @@ class ElasticdAgent(LocalElasticAgent):
         self.left = False
         self.leave_requested = False  # set by the daemon's SIGTERM handler
         self.graceful = False  # True while workers run under the loop: a signal can wait for a clean leave
-        self._write_round = write_round
+        self._lineage = lineage
+        self._adopt = adopt
+        self.token: str | None = None  # the fencing token of the current group's workers
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
@@ -101,6 +108,14 @@ class ElasticdAgent(LocalElasticAgent):
     # -- torch hooks ---------------------------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        while True:
+            try:
+                self._rendezvous_once(worker_group)
+                return
+            except RoundAbandoned as exc:
+                self._log.warning("round_abandoned", reason=str(exc))
+
+    def _rendezvous_once(self, worker_group: WorkerGroup) -> None:
         self.graceful = False  # nothing to checkpoint while we wait for a round: a signal ends the daemon
         self._registry.update(state="rendezvous")
         start = self._clock()
@@ -125,10 +140,10 @@ class ElasticdAgent(LocalElasticAgent):
                 self._log.warning("node_lost", lost_node=lost)
             for joined in sorted(set(members) - set(previous)):
                 self._log.info("node_joined", joined_node=joined)
-        if worker_group.group_rank == 0 and self.round is not None:
-            self._poll(lambda: self._write_round(self.round or 0), None)
-            if self.hangs is not None:
-                self._poll(lambda: self.hangs.forget_rounds_before(self.round or 0), None)  # type: ignore[union-attr]
+        self.token = self._agree_token(worker_group)
+        hangs = self.hangs
+        if worker_group.group_rank == 0 and self.round is not None and hangs is not None:
+            self._poll(lambda: hangs.forget_rounds_before(self.round or 0), None)
         self._metrics.rendezvous_total.inc()
         self._metrics.rendezvous_duration_seconds.observe(duration_s)
         self._metrics.nodes.set(len(members))
@@ -153,9 +168,51 @@ class ElasticdAgent(LocalElasticAgent):
         finally:
             store.set_timeout(old_timeout)
 
+    def _agree_token(self, worker_group: WorkerGroup) -> str | None:
+        """The new group's fencing token: written by the round's rank 0 (a checked etcd transaction, bounded
+        retries) and passed to the others through the round's store. A round whose token could not be written
+        starts no workers (they could never commit): :class:`RoundAbandoned`, and the nodes form another."""
+        if self._lineage is None:
+            return None
+        store = worker_group.store
+        assert store is not None
+        if worker_group.group_rank == 0:
+            try:
+                token = self._lineage.begin(self.round or 0, self._adopt)
+            except TokenWriteError as exc:
+                self._metrics.fence_token_failures_total.inc()
+                self._log.error("token_write_failed", error=str(exc))
+                token = ""
+            store.set(_TOKEN_KEY, token)
+        else:
+            old_timeout = store.timeout
+            store.set_timeout(timedelta(seconds=_MEMBERSHIP_TIMEOUT_S))
+            try:
+                token = store.get(_TOKEN_KEY).decode()
+            finally:
+                store.set_timeout(old_timeout)
+        if not token:
+            raise RoundAbandoned(f"round {self.round}: no fencing token could be written")
+        self._log.info("lineage_token", token=token)
+        return token
+
+    def _lineage_lost(self) -> bool:
+        """True when the workers' token is no longer the run's: etcd lost its data, or a newer group took over."""
+        if self._lineage is None or self.token is None:
+            return False
+        unchanged: str | None = self.token
+        current = self._poll(self._lineage.token, unchanged)  # etcd away: nothing to conclude
+        if current == self.token:
+            return False
+        cause = "etcd lost the run's keys" if current is None else "a newer group holds the run's fencing token"
+        self._log.warning("lineage_lost", cause=cause, token=self.token, current=current)
+        return True
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        # Workers inherit the daemon's environment; the round fences checkpoint commits from older rounds.
+        # Workers inherit the daemon's environment: the round (for manifests) and the token that fences commits.
         os.environ[envvars.ROUND] = str(self.round if self.round is not None else 0)
+        if self.token is not None:
+            os.environ[envvars.FENCE_TOKEN] = self.token
         self.reports.reset({w.local_rank for w in worker_group.workers})
         self.stragglers.reset()
         self._workers_started_at = self._clock()
@@ -186,9 +243,10 @@ class ElasticdAgent(LocalElasticAgent):
             now = self._clock()
             state = _group_state(result.state)
             suspicion = self.hangs.check() if self.hangs is not None and state is GroupState.HEALTHY else None
-            peer_hang = False
+            peer_hang = lineage_lost = False
             if now >= next_control_poll:
                 drain = drain or self._poll(self._drain_requested, False)
+                lineage_lost = state is GroupState.HEALTHY and self._lineage_lost()
                 if self.hangs is not None and state is GroupState.HEALTHY:
                     peer_hang = self._poll(lambda: self.hangs.peer_claim(self.round or 0), None) is not None  # type: ignore[union-attr]
                 next_control_poll = now + _CONTROL_POLL_S
@@ -208,6 +266,7 @@ class ElasticdAgent(LocalElasticAgent):
                     peer_checkpointed=state is GroupState.HEALTHY and self.reports.all_saved(),
                     fatal_message=fatal.message if fatal else "",
                     hang=hang,
+                    lineage_lost=lineage_lost,
                 )
             )
             if decision.action is Action.CONTINUE:
@@ -334,7 +393,11 @@ class ElasticdAgent(LocalElasticAgent):
                     break
                 time.sleep(0.05)
         step = self.reports.saved_step()
-        if step is None:
+        fenced = self.reports.saved_but_fenced()
+        if fenced is not None:
+            # not a success: the restart resumes from the last committed checkpoint and redoes the steps since
+            self._log.warning("checkpoint_request_fenced", reason=reason, step=fenced)
+        elif step is None:
             self._log.warning("checkpoint_request_unanswered", reason=reason, timeout_s=self._checkpoint_timeout_s)
         else:
             self._log.info("checkpoint_saved", reason=reason, step=step)

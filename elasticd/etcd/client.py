@@ -228,12 +228,16 @@ class EtcdClient:
 
     def put_if_equal(self, guard_key: str, expected: bytes | str, key: str, value: bytes | str) -> bool:
         """Write ``key`` only if ``guard_key`` currently holds ``expected`` (a fence); True when written."""
+        return self.put_all_if_equal(guard_key, expected, {key: value})
+
+    def put_all_if_equal(self, guard_key: str, expected: bytes | str, items: dict[str, bytes | str]) -> bool:
+        """Write every key of ``items`` in one transaction, only if ``guard_key`` currently holds ``expected``;
+        True when written (all of them), False when the guard did not hold (none of them)."""
         tx = self._raw.transactions
+        puts = [tx.put(key, value) for key, value in items.items()]
         succeeded, _ = self._call(
             "fenced put",
-            lambda: self._raw.transaction(
-                compare=[tx.value(guard_key) == expected], success=[tx.put(key, value)], failure=[]
-            ),
+            lambda: self._raw.transaction(compare=[tx.value(guard_key) == expected], success=puts, failure=[]),
         )
         return bool(succeeded)
 

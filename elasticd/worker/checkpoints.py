@@ -2,16 +2,21 @@
 
 ::
 
-    <checkpoint-dir>/<run-id>/step-000000001200/          committed: accelerate save_state files + elasticd.json
-    <checkpoint-dir>/<run-id>/step-000000001300.partial/  being written; never loaded, removed on the next start
+    <checkpoint-dir>/<run-id>/step-000000001200/                   committed: save_state files + elasticd.json
+    <checkpoint-dir>/<run-id>/step-000000001300.<writer>.partial/  being written by one writer; never loaded
 
-A checkpoint is written into ``step-N.partial/``; the commit writes the manifest ``elasticd.json`` last (sizes and
-sha256 of every file, fsynced), renames the directory (atomic on one filesystem) and fsyncs the parent. A directory
-without ``.partial`` therefore always holds a complete save, whatever moment a crash hit.
+Each writer (a group of workers holding one fencing token, elasticd/lineage.py) saves into a directory of its own,
+so a stale writer can never touch what the current one writes. The commit (:meth:`CheckpointStore.commit`) makes
+the files durable, writes the manifest ``elasticd.json`` last (sizes and sha256 of every file, fsynced), asks the
+fence (under a daemon: one etcd transaction that records the checkpoint if the writer's token is still current:
+the commit point), and only then renames the directory to ``step-N`` (atomic on one filesystem) and fsyncs the
+parent. A refused writer removes its own directory. A crash between the record and the rename is rolled forward
+by the next loader, which finds the recorded writer's directory with the recorded manifest.
 
 A committed directory can still rot afterwards (a disk error, a half-copied restore, someone editing a file):
-:meth:`CheckpointStore.verify` checks it against its manifest, and :meth:`CheckpointStore.latest_loadable` picks
-the newest one that verifies, reporting each one it skips.
+:meth:`CheckpointStore.verify` checks it against its manifest. :meth:`CheckpointStore.resolve` picks the newest
+recorded checkpoint that verifies; :meth:`CheckpointStore.latest_loadable` does the same from the disk alone, for
+a run without a daemon. Both report each checkpoint they skip.
 """
 
 from __future__ import annotations
@@ -27,10 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticd.lineage import LOCAL_WRITER, CheckpointRecord, writer_id
+
 MANIFEST = "elasticd.json"
 MANIFEST_VERSION = 1
 _COMMITTED = re.compile(r"^step-(\d{12})$")
-_PARTIAL = re.compile(r"^step-(\d{12})\.partial$")
+# ``step-N.<writer>.partial``; ``step-N.partial`` (no writer) was the layout of elasticd 0.1.
+_PARTIAL = re.compile(r"^step-(\d{12})(?:\.([A-Za-z0-9]+))?\.partial$")
+# A fence: True when the checkpoint of this record may be committed (it is then recorded).
+Fence = Callable[[CheckpointRecord], bool]
 # Hashing reads files in chunks of this many bytes: large enough for throughput, small enough to bound memory.
 _HASH_CHUNK_BYTES = 1 << 20
 
@@ -73,9 +83,11 @@ def _sha256(path: Path) -> str:
 class CheckpointStore:
     """The checkpoints of one run under ``root / run_id``."""
 
-    def __init__(self, root: Path | str, run_id: str = "default", keep: int = 3) -> None:
+    def __init__(self, root: Path | str, run_id: str = "default", keep: int = 3, token: str | None = None) -> None:
         self.dir = Path(root) / run_id
         self.keep = keep
+        self.token = token or LOCAL_WRITER  # the writer's fencing token (elasticd/lineage.py); "local" without one
+        self.writer = writer_id(token)
 
     def committed(self) -> list[Checkpoint]:
         """Committed checkpoints (a manifest present), oldest first."""
@@ -115,8 +127,8 @@ class CheckpointStore:
         return None
 
     def latest_loadable(self, on_bad: Callable[[Checkpoint, str], None]) -> Checkpoint | None:
-        """The newest committed checkpoint that verifies, or None. Each newer one that does not is passed to
-        ``on_bad`` with the reason (the caller logs a warning) and skipped. ``.partial`` dirs are never candidates."""
+        """The newest committed checkpoint on disk that verifies, or None (a run without a daemon: no lineage).
+        Each newer one that does not is passed to ``on_bad`` with the reason and skipped."""
         for cp in reversed(self.committed()):
             reason = self.verify(cp)
             if reason is None:
@@ -124,18 +136,40 @@ class CheckpointStore:
             on_bad(cp, reason)
         return None
 
+    def resolve(self, records: list[CheckpointRecord], on_bad: Callable[[Checkpoint, str], None]) -> Checkpoint | None:
+        """The newest of the lineage's ``records`` whose directory holds the recorded manifest and verifies.
+
+        A record whose directory is missing while its writer's directory holds the recorded manifest is a commit
+        that crashed between the record and the rename: it is rolled forward (renamed) here. Directories the
+        records do not name are never candidates.
+        """
+        for record in sorted(records, key=lambda r: r.step, reverse=True):
+            cp = Checkpoint(record.step, self.dir / record.dir)
+            reason = self._roll_forward(record) or self._matches(record, cp) or self.verify(cp)
+            if reason is None:
+                return cp
+            on_bad(cp, reason)
+        return None
+
+    def record_for(self, cp: Checkpoint, token: str) -> CheckpointRecord:
+        """A lineage record of a committed directory (used to adopt one found on disk into a fresh lineage)."""
+        manifest_sha = _sha256(cp.path / MANIFEST)
+        return CheckpointRecord(cp.step, cp.path.name, cp.path.name, manifest_sha, token, time.time())
+
     def partial_path(self, step: int) -> Path:
-        return self.dir / f"{step_dirname(step)}.partial"
+        """This writer's directory for ``step``."""
+        return self.dir / f"{step_dirname(step)}.{self.writer}.partial"
 
     def begin(self, step: int) -> Path:
-        """A fresh, empty ``step-N.partial/`` to save into."""
+        """A fresh, empty directory of this writer to save ``step`` into."""
         path = self.partial_path(step)
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
         return path
 
-    def commit(self, step: int, meta: dict[str, Any]) -> Checkpoint:
-        """Write the manifest last, rename ``.partial`` to its committed name and prune to ``keep``."""
+    def commit(self, step: int, meta: dict[str, Any], fence: Fence | None = None) -> Checkpoint | None:
+        """Make this writer's files durable, write the manifest last, ask ``fence`` (the commit point) and rename
+        the directory to ``step-N``; prune to ``keep``. None when the fence refused: the directory is removed."""
         partial = self.partial_path(step)
         for path in partial.rglob("*"):
             if path.is_file():
@@ -146,11 +180,21 @@ class CheckpointStore:
             json.dump(manifest, fh, indent=1, sort_keys=True)
             fh.flush()
             os.fsync(fh.fileno())
+        _fsync_dir(partial)
         final = self.dir / step_dirname(step)
-        if final.exists():  # the same step saved again after a restart: the newer save wins
-            shutil.rmtree(final)
-        partial.rename(final)
-        _fsync_dir(self.dir)
+        # The same step committed before (a save right after resuming there): that one stays, this one goes.
+        existing = final / MANIFEST if (final / MANIFEST).is_file() else None
+        record = CheckpointRecord(
+            step, final.name, partial.name, _sha256(existing or manifest_path), self.token, time.time()
+        )
+        if fence is not None and not fence(record):
+            shutil.rmtree(partial, ignore_errors=True)
+            return None
+        if existing is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        else:
+            partial.rename(final)
+            _fsync_dir(self.dir)
         self.prune()
         return Checkpoint(step, final)
 
@@ -158,15 +202,36 @@ class CheckpointStore:
         for old in self.committed()[: -self.keep]:
             shutil.rmtree(old.path, ignore_errors=True)
 
-    def remove_partials(self) -> list[Path]:
-        """Remove every ``.partial`` directory (call once at start, before any rank saves)."""
+    def remove_partials(self, keep: frozenset[str] = frozenset()) -> list[Path]:
+        """Remove every ``.partial`` directory except those named in ``keep`` (the lineage's records: a commit that
+        may still be rolled forward). Call it once when a group starts, before it saves, from the group that holds
+        the current token: every other writer was fenced off already and can never commit what it left."""
         removed = []
         if self.dir.is_dir():
             for entry in self.dir.iterdir():
-                if _PARTIAL.match(entry.name):
+                match = _PARTIAL.match(entry.name)
+                if match and entry.name not in keep:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
         return removed
+
+    def _roll_forward(self, record: CheckpointRecord) -> str | None:
+        final, partial = self.dir / record.dir, self.dir / record.partial
+        if final.exists() or record.partial == record.dir or not partial.is_dir():
+            return None if final.exists() else "missing directory"
+        if not (partial / MANIFEST).is_file() or _sha256(partial / MANIFEST) != record.manifest_sha256:
+            return "missing directory (its writer's directory does not hold the recorded manifest)"
+        partial.rename(final)
+        _fsync_dir(self.dir)
+        return None
+
+    @staticmethod
+    def _matches(record: CheckpointRecord, cp: Checkpoint) -> str | None:
+        try:
+            actual = _sha256(cp.path / MANIFEST)
+        except OSError as exc:
+            return f"unreadable manifest: {exc}"
+        return None if actual == record.manifest_sha256 else "manifest differs from the one the lineage recorded"
 
 
 def _fsync_file(path: Path) -> None:

@@ -1,48 +1,54 @@
-"""Fencing checkpoint commits through etcd: a writer from a stale rendezvous round cannot commit.
+"""A worker's connection to its run's lineage (elasticd/lineage.py): the fence of its commits, and the records its
+resume point is chosen from.
 
-Each round's rank-0 agent writes the round number to ``/elasticd/<run-id>/round``. A worker commits a checkpoint by
-writing ``checkpoint/latest`` in one transaction that requires that key to still hold the round the worker was
-started in. A worker of an older round (a straggler of a lost node, a zombie that outlived its daemon) finds the
-round moved on and its commit refused, so it can never overwrite the newer round's progress.
+The daemon gives every worker the fencing token of its group (``ELASTICD_FENCE_TOKEN``). Rank 0 commits a
+checkpoint by recording it in one etcd transaction that requires ``lineage/token`` to still hold that token; a
+worker of an older group (a straggler of a lost node, a node that was frozen while the others moved on) finds the
+token replaced and its commit refused, so it can never add to the lineage.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Callable
-
+from elasticd.errors import EtcdUnavailableError
 from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
-
-Fence = Callable[[int], bool]
+from elasticd.lineage import CheckpointRecord, Lineage
 
 
 class EtcdFence:
-    """``fence(step) -> bool``: True when this round may commit ``step`` (and ``checkpoint/latest`` now says so)."""
+    """``fence(record) -> bool``: True when ``record`` was committed (this worker's token is still current)."""
 
-    def __init__(self, endpoints: str, run_id: str, round_: int, *, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, endpoints: str, run_id: str, token: str, *, connect_timeout_s: float = 10.0) -> None:
         self._endpoints = endpoints
         self._keys = RunKeys(run_id)
-        self._round = round_
+        self.token = token
         self._connect_timeout_s = connect_timeout_s
         self._client: EtcdClient | None = None
 
-    def __call__(self, step: int) -> bool:
-        if self._client is None:  # lazily: only the committing rank ever needs etcd
+    def _lineage(self) -> Lineage:
+        if self._client is None:  # lazily: only rank 0 ever needs etcd
             self._client = EtcdClient.connect(
                 parse_endpoints(self._endpoints),
                 connect_timeout_s=self._connect_timeout_s,
                 **EtcdAccess.from_worker_env().connect_kwargs(),
             )
-        record = json.dumps({"step": step, "round": self._round, "committed_at": time.time()})
+        return Lineage(self._client, self._keys)
+
+    def __call__(self, record: CheckpointRecord) -> bool:
         try:
-            return self._client.put_if_equal(self._keys.round, str(self._round), self._keys.checkpoint_latest, record)
-        except EtcdError:
+            return self._lineage().commit(self.token, record)
+        except (EtcdError, EtcdUnavailableError):
             # etcd away at commit time: refuse rather than risk a stale commit; the next checkpoint tries again.
             return False
+
+    def records(self) -> list[CheckpointRecord] | None:
+        """The lineage's records, newest first; None when etcd cannot be read (the caller falls back to disk)."""
+        try:
+            return self._lineage().records()
+        except (EtcdError, EtcdUnavailableError):
+            return None
 
     def close(self) -> None:
         if self._client is not None:

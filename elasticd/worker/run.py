@@ -26,11 +26,13 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import structlog
 import torch
+from accelerate.utils import broadcast_object_list
 
 from elasticd.board import NullSlotWriter, Phase, SlotWriter, slot_path
 from elasticd.errors import EXIT_USAGE, ConfigError
@@ -80,7 +82,8 @@ class Run:
         self.rank = int(accelerator.process_index)
         self.world_size = int(accelerator.num_processes)
         self.state = TrainingState()
-        self.store = CheckpointStore(self.settings.checkpoint_dir, self.settings.run_id, keep=self.settings.keep)
+        s = self.settings
+        self.store = CheckpointStore(s.checkpoint_dir, s.run_id, keep=s.keep, token=s.fence_token)
         self.beats = BeatClient.from_env()
         board = self.settings.board
         # where this rank is right now, for the daemon's hang watchdog; stacks and flight recorder on request
@@ -94,8 +97,9 @@ class Run:
             every_steps=self.settings.every_steps,
             every_seconds=self.settings.every_seconds,
         )
-        fence = EtcdFence(self.settings.etcd, self.settings.run_id, self.settings.round) if self.settings.etcd else None
-        self.saver = CheckpointSaver(accelerator, self.store, fence=fence, on_event=self._on_save_event)
+        # under a daemon: commits are recorded in the run's lineage, and only what it records is ever loaded
+        self.fence = EtcdFence(s.etcd, s.run_id, s.fence_token) if s.etcd and s.fence_token else None
+        self.saver = CheckpointSaver(accelerator, self.store, fence=self.fence, on_event=self._on_save_event)
         if not structlog.is_configured():
             configure_logging(stdlib=False)
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
@@ -116,7 +120,7 @@ class Run:
         self._own_s = 0.0
         self._forward_started = 0.0
         if self.accelerator.is_main_process:
-            self.store.remove_partials()
+            self._remove_partials()
         self.accelerator.wait_for_everyone()
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -162,7 +166,7 @@ class Run:
             # once per optimizer step whatever the world size (accelerate would step it W times)
             scheduler.split_batches = True
         self.slot.set_phase(Phase.LOADING)
-        checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
+        checkpoint = self._resume_point()
         if checkpoint is not None:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
@@ -175,6 +179,33 @@ class Run:
         self.slot.resumed(self.state.step)
         self._step_started = time.perf_counter()
         return self.state
+
+    def _resume_point(self) -> Checkpoint | None:
+        """The checkpoint every rank loads: chosen once, by rank 0, and broadcast (a collective call).
+
+        Under a daemon it is the newest checkpoint the run's lineage records that verifies; if etcd cannot be read,
+        the newest verified committed directory on disk (only recorded commits are ever renamed to ``step-N``).
+        Without a daemon, the newest on disk. Each file is hashed once, by rank 0, not by every rank.
+        """
+        chosen: list[Any] = [None]
+        if self.accelerator.is_main_process:
+            records = self.fence.records() if self.fence is not None else None
+            if self.fence is not None and records is None:
+                self.log.warning("lineage_unavailable", fallback="newest verified checkpoint on disk")
+            if records is None:
+                found = self.store.latest_loadable(on_bad=self._bad_checkpoint)
+            else:
+                found = self.store.resolve(records, on_bad=self._bad_checkpoint)
+            chosen[0] = None if found is None else (found.step, str(found.path))
+        if self.world_size > 1:
+            chosen = broadcast_object_list(chosen, from_process=0)
+        return None if chosen[0] is None else Checkpoint(int(chosen[0][0]), Path(chosen[0][1]))
+
+    def _remove_partials(self) -> None:
+        """Rank 0 at start: other writers' directories go, except a recorded commit not yet rolled forward."""
+        records = self.fence.records() if self.fence is not None else []
+        if records is not None:  # etcd unreadable: a recorded commit may need its directory, so leave them all
+            self.store.remove_partials(keep=frozenset(r.partial for r in records))
 
     def _time_forward(self, model: Any) -> None:
         """Forward passes wait for no other rank (DDP syncs in backward): their time tells a slow rank apart."""
@@ -324,8 +355,8 @@ class Run:
         bad = set(self._bad)
         self._bad.clear()
         self.slot.set_phase(Phase.LOADING)
-        self.saver.wait(everyone=True)  # every rank sees the same commits before choosing what to load
-        checkpoint = self.store.latest_loadable(on_bad=self._bad_checkpoint)
+        self.saver.wait(everyone=True)  # the last save is decided before rank 0 chooses what to load
+        checkpoint = self._resume_point()
         keep = replace(self.state, skipped_steps=self.state.skipped_steps | bad, rollbacks=self.state.rollbacks + 1)
         if checkpoint is not None:
             self._load(checkpoint)
@@ -367,11 +398,13 @@ class Run:
             "round": self.settings.round,
         }
         self.slot.set_phase(Phase.CHECKPOINT)
-        self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
+        committed = self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
         self.slot.set_phase(Phase.TRAINING)
         self.coordinator.checkpointed()
         if planned:
-            self.beats.send("checkpoint_saved", step=self.state.step, requested=True)
+            # the daemon waits for this before a planned change; a refused commit means the steps since the last
+            # committed checkpoint will be redone, and it says so
+            self.beats.send("checkpoint_saved", step=self.state.step, requested=True, committed=bool(committed))
 
     def _park(self) -> None:
         """After a requested checkpoint: wait to be stopped for the planned change (see PARK_TIMEOUT_S)."""
@@ -387,6 +420,8 @@ class Run:
         if event == "checkpoint_written":
             self.faults.during_checkpoint(int(fields["step"]))
             return
+        if event in ("checkpoint_fenced", "checkpoint_failed"):
+            self.log.warning(event, **fields)
         self.beats.send(event, **fields)
 
     def _bad_checkpoint(self, checkpoint: Checkpoint, reason: str) -> None:

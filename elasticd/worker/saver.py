@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import random
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -28,9 +27,9 @@ import torch
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import IterableDatasetShard
-from accelerate.utils import RNG_STATE_NAME, DistributedType
+from accelerate.utils import RNG_STATE_NAME, DistributedType, broadcast_object_list
 
-from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
+from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
 
 COMMITTED = "checkpoint_committed"
 FAILED = "checkpoint_failed"
@@ -126,8 +125,9 @@ def _freeze_loader(loader: Any, host: _HostCopy) -> _Frozen:
 class CheckpointSaver:
     """Saves ``accelerator``'s state into ``store``, every rank at the same step; one background write at a time.
 
-    ``fence(step)`` is asked on rank 0 just before a commit (from the writer thread for an asynchronous save); False
-    refuses it: the partial dir is removed and ``checkpoint_fenced`` reported. ``on_event(name, fields)`` receives
+    ``fence(record)`` is asked on rank 0 once the files and the manifest are durable (from the writer thread for an
+    asynchronous save): the commit point. False refuses it: the writer's directory is removed and
+    ``checkpoint_fenced`` reported. ``on_event(name, fields)`` receives
     ``checkpoint_committed`` (rank 0: step, blocking_s, total_s, path, asynchronous), ``checkpoint_failed`` (any
     rank: step, error) and ``checkpoint_fenced`` (rank 0: step), possibly from the writer thread.
     """
@@ -137,7 +137,7 @@ class CheckpointSaver:
         accelerator: Accelerator,
         store: CheckpointStore,
         *,
-        fence: Callable[[int], bool] | None = None,
+        fence: Fence | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         commit_timeout_s: float = 300,
     ) -> None:
@@ -152,20 +152,21 @@ class CheckpointSaver:
         self._writer: threading.Thread | None = None
         self._host = _HostCopy()
 
-    def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> None:
+    def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> bool | None:
         """Save the state as of now as ``step``, with ``meta`` in the manifest; call on every rank at the same step.
 
-        Blocking: returns once the checkpoint is committed (or the fence refused it) on every rank; a failure is
-        reported and raised. Asynchronous: first waits for the previous background write, then returns once the
-        state is copied to host memory; the write and commit follow in the background and a failure there is only
-        reported. Under FSDP, DeepSpeed, Megatron-LM or XLA an asynchronous save is done blocking."""
+        Blocking: returns once the checkpoint is committed (True) or the fence refused it (False), the same answer on
+        every rank; a failure is reported and raised. Asynchronous: first waits for the previous background write,
+        then returns None once the state is copied to host memory; the write and commit follow in the background and
+        a failure there is only reported. Under FSDP, DeepSpeed, Megatron-LM or XLA an asynchronous save is done
+        blocking."""
         self.wait()
         start = time.monotonic()
         try:
             if asynchronous and self._acc.distributed_type not in _NO_SNAPSHOT:
                 self._start_write(step, meta, start)
-            else:
-                self._save_blocking(step, meta, start)
+                return None
+            return self._save_blocking(step, meta, start)
         except Exception as exc:
             self._emit(FAILED, step=step, error=repr(exc))
             raise
@@ -192,7 +193,7 @@ class CheckpointSaver:
         self._acc.load_state(str(cp.path))
         return cp.manifest()
 
-    def _save_blocking(self, step: int, meta: dict[str, Any], start: float) -> None:
+    def _save_blocking(self, step: int, meta: dict[str, Any], start: float) -> bool:
         acc = self._acc
         if acc.is_main_process:
             self._store.begin(step)
@@ -200,11 +201,14 @@ class CheckpointSaver:
         acc.save_state(str(self._store.partial_path(step)))
         self._emit(WRITTEN, step=step)
         acc.wait_for_everyone()  # save_state has no final barrier: here every rank's files are complete
+        outcome = [False]
         try:
             if acc.is_main_process:
-                self._commit(step, meta, start, None)
+                outcome[0] = self._commit(step, meta, start, None)
         finally:
-            acc.wait_for_everyone()  # no rank goes on (to load, or to exit) before the commit is decided
+            # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how
+            outcome = broadcast_object_list(outcome, from_process=0)
+        return bool(outcome[0])
 
     def _start_write(self, step: int, meta: dict[str, Any], start: float) -> None:
         acc = self._acc
@@ -269,16 +273,23 @@ class CheckpointSaver:
         for marker in markers:
             marker.unlink()
 
-    def _commit(self, step: int, meta: dict[str, Any], start: float, blocking_s: float | None) -> None:
-        if self._fence is not None and not self._fence(step):
-            shutil.rmtree(self._store.partial_path(step), ignore_errors=True)
+    def _commit(self, step: int, meta: dict[str, Any], start: float, blocking_s: float | None) -> bool:
+        """Rank 0: commit the written files; False when the fence refused them."""
+        committed = self._store.commit(step, meta, self._fence)
+        if committed is None:
             self._emit(FENCED, step=step)
-            return
-        path, total_s = str(self._store.commit(step, meta).path), time.monotonic() - start
+            return False
+        total_s = time.monotonic() - start
         blocking = total_s if blocking_s is None else blocking_s
         self._emit(
-            COMMITTED, step=step, blocking_s=blocking, total_s=total_s, path=path, asynchronous=blocking_s is not None
+            COMMITTED,
+            step=step,
+            blocking_s=blocking,
+            total_s=total_s,
+            path=str(committed.path),
+            asynchronous=blocking_s is not None,
         )
+        return True
 
     def _emit(self, name: str, **fields: Any) -> None:
         if self._on_event is not None:

@@ -24,6 +24,7 @@ class WorkerSettings:
     on_nan: str = "rollback"
     asynchronous: bool = True
     round: int = 0
+    fence_token: str | None = None  # None: no daemon, no lineage (checkpoints are found on disk)
     etcd: str | None = None  # None: no daemon, no fencing
     socket: str | None = None
     board: str | None = None  # None: no daemon watches this worker
@@ -52,6 +53,7 @@ class WorkerSettings:
             on_nan=e.get(envvars.ON_NAN, "rollback"),
             asynchronous=e.get(envvars.ASYNC_CHECKPOINTS, "1") not in ("0", "false", "no"),
             round=int(number(envvars.ROUND, "0")),
+            fence_token=e.get(envvars.FENCE_TOKEN) or None,
             etcd=e.get(envvars.ETCD) or None,
             socket=e.get(envvars.SOCKET) or None,
             board=e.get(envvars.BOARD) or None,

@@ -77,9 +77,9 @@ WORKER = textwrap.dedent(
         return a == b
 
     store = CheckpointStore(root, "run", keep=10)
-    def fence(step):
-        if step >= 3:
-            raise RuntimeError(f"etcd unreachable at step {step}")
+    def fence(record):
+        if record.step >= 3:
+            raise RuntimeError(f"etcd unreachable at step {record.step}")
         return False
 
     saver = CheckpointSaver(
@@ -218,7 +218,7 @@ def test_refused_fence_commits_nothing_and_a_failing_fence_is_reported_without_h
     assert [(r["rank"], r["raised"]) for r in records if "raised" in r] == [(0, "etcd unreachable at step 3")]
     assert store(tmp_path).committed() == []
     partials = sorted(p.name for p in (tmp_path / "ckpt" / "run").glob("*.partial"))
-    assert partials == ["step-000000000003.partial", "step-000000000004.partial"]  # removed on the next start
+    assert partials == ["step-000000000003.local.partial", "step-000000000004.local.partial"]  # removed at next start
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S + SLOW_WRITE_TIMEOUT_S)
