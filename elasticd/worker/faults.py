@@ -6,6 +6,8 @@
     nan@step=40-                  every rank, every step from 40 on (persistent NaN)
     kill@step=30,rank=0           rank 0 kills itself with SIGKILL when step 30 completes
     kill@checkpoint=20,rank=0     rank 0 kills itself while writing the checkpoint of step 20
+    freeze@commit=20,rank=0       rank 0 stops its daemon and itself (SIGSTOP) with the checkpoint of step 20 durable,
+                                  just before asking the fence to commit it (a node frozen mid-commit: a stale writer)
     sleep@step=12,rank=1          rank 1 stops forever before step 12 (a hang inside the next collective)
     slow@rank=1,seconds=0.2       rank 1 sleeps 0.2 s every step (a straggler)
     jitter@seconds=0.1            every rank sleeps a random 0-0.1 s every step (seeded by rank and step)
@@ -94,6 +96,11 @@ class FaultInjector:
     def during_checkpoint(self, step: int) -> None:
         if any(f.checkpoint == step for f in self._of("kill")):
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_commit(self, step: int) -> None:
+        if any(f.extra.get("commit") == str(step) for f in self._of("freeze")):
+            os.kill(os.getppid(), signal.SIGSTOP)  # the whole node: its daemon too, so nobody reports for it
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def parse_faults(text: str) -> list[Fault]:

@@ -420,6 +420,9 @@ class Run:
         if event == "checkpoint_written":
             self.faults.during_checkpoint(int(fields["step"]))
             return
+        if event == "checkpoint_sealed":
+            self.faults.before_commit(int(fields["step"]))
+            return
         if event in ("checkpoint_fenced", "checkpoint_failed"):
             self.log.warning(event, **fields)
         self.beats.send(event, **fields)

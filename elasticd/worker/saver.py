@@ -29,6 +29,7 @@ from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import IterableDatasetShard
 from accelerate.utils import RNG_STATE_NAME, DistributedType, broadcast_object_list
 
+from elasticd.lineage import CheckpointRecord
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
 
 COMMITTED = "checkpoint_committed"
@@ -36,6 +37,8 @@ FAILED = "checkpoint_failed"
 FENCED = "checkpoint_fenced"
 # This rank's files are on disk, not yet committed (fault injection kills a rank here: a torn checkpoint).
 WRITTEN = "checkpoint_written"
+# Rank 0: every file and the manifest are durable, the fence is asked next (fault injection freezes a node here).
+SEALED = "checkpoint_sealed"
 # save_state of these writes sharded or engine-specific files that a host snapshot cannot reproduce: saved blocking.
 _NO_SNAPSHOT = frozenset(
     {DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
@@ -275,7 +278,13 @@ class CheckpointSaver:
 
     def _commit(self, step: int, meta: dict[str, Any], start: float, blocking_s: float | None) -> bool:
         """Rank 0: commit the written files; False when the fence refused them."""
-        committed = self._store.commit(step, meta, self._fence)
+        fence = self._fence
+
+        def sealed(record: CheckpointRecord) -> bool:
+            self._emit(SEALED, step=step)
+            return fence is None or fence(record)
+
+        committed = self._store.commit(step, meta, sealed)
         if committed is None:
             self._emit(FENCED, step=step)
             return False

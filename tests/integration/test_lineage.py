@@ -1,0 +1,198 @@
+"""The checkpoint lineage on a real etcd: one commit point, a token that never repeats, a reader that loads only what
+the lineage records; and a real stale writer (a node frozen mid-commit while the others move on) that can never
+commit or be loaded."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.keys import RunKeys
+from elasticd.lineage import CheckpointRecord, Lineage, new_token, writer_id
+from elasticd.worker.checkpoints import MANIFEST, Checkpoint, CheckpointStore
+from tests.integration.cluster import Cluster, read_json_lines, train_args, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def _write_checkpoint(store: CheckpointStore, step: int, payload: bytes = b"weights") -> None:
+    partial = store.begin(step)
+    (partial / "model.bin").write_bytes(payload + str(step).encode())
+
+
+def test_a_replaced_token_cannot_commit_and_the_reader_takes_only_recorded_checkpoints(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
+    keys = RunKeys("lin")
+    lineage = Lineage(etcd_client, keys)
+    old = lineage.begin(5)
+    stale = CheckpointStore(tmp_path, "lin", token=old)
+    _write_checkpoint(stale, 20)
+    new = lineage.begin(6)  # a new group took over while the old one was writing
+    assert new != old and lineage.token() == new
+
+    assert stale.commit(20, {}, lambda record: lineage.commit(old, record)) is None
+    assert not stale.partial_path(20).exists(), "a refused writer removes its own directory"
+    assert lineage.records() == []
+
+    current = CheckpointStore(tmp_path, "lin", token=new)
+    _write_checkpoint(current, 10)
+    committed = current.commit(10, {}, lambda record: lineage.commit(new, record))
+    assert committed is not None and committed.path.name == "step-000000000010"
+    (record,) = lineage.records()
+    assert (record.step, record.dir, record.token) == (10, "step-000000000010", new)
+    assert json.loads(etcd_client.get(keys.checkpoint_latest)[0])["step"] == 10  # type: ignore[index]
+
+    # A committed-looking directory that the lineage does not record (copied in by hand, say) is never loaded.
+    rogue = tmp_path / "lin" / "step-000000000099"
+    rogue.mkdir()
+    (rogue / MANIFEST).write_text(json.dumps({"step": 99, "files": {}}))
+    chosen = current.resolve(lineage.records(), on_bad=lambda cp, reason: None)
+    assert chosen == Checkpoint(10, committed.path)
+    assert current.latest_loadable(on_bad=lambda cp, reason: None) == Checkpoint(99, rogue)  # the disk alone would
+
+
+def test_tokens_never_repeat_even_when_rounds_restart_from_zero(etcd_client: EtcdClient) -> None:
+    lineage = Lineage(etcd_client, RunKeys("again"))
+    tokens = {lineage.begin(0) for _ in range(20)}
+    assert len(tokens) == 20
+    assert len({writer_id(t) for t in tokens}) == 20
+    assert new_token(0) != new_token(0)
+
+
+def test_a_commit_that_crashed_between_record_and_rename_is_rolled_forward(
+    etcd_client: EtcdClient, tmp_path: Path
+) -> None:
+    lineage = Lineage(etcd_client, RunKeys("crash"))
+    token = lineage.begin(1)
+    store = CheckpointStore(tmp_path, "crash", token=token)
+    _write_checkpoint(store, 30)
+
+    def record_then_crash(record: CheckpointRecord) -> bool:
+        assert lineage.commit(token, record)
+        raise SystemExit("killed after the commit point, before the rename")
+
+    with pytest.raises(SystemExit):
+        store.commit(30, {}, record_then_crash)
+    assert store.partial_path(30).is_dir() and not (tmp_path / "crash" / "step-000000000030").exists()
+
+    # A new group starts: its cleanup keeps the recorded directory, and the reader rolls the commit forward.
+    reader = CheckpointStore(tmp_path, "crash", token=lineage.begin(2))
+    reader.remove_partials(keep=frozenset(r.partial for r in lineage.records()))
+    chosen = reader.resolve(lineage.records(), on_bad=lambda cp, reason: pytest.fail(reason))
+    assert chosen is not None and chosen.step == 30 and reader.verify(chosen) is None
+
+
+def test_a_fresh_lineage_adopts_the_newest_verified_checkpoint_on_disk(etcd_client: EtcdClient, tmp_path: Path) -> None:
+    lineage = Lineage(etcd_client, RunKeys("fresh"))
+    store = CheckpointStore(tmp_path, "fresh")
+    for step in (10, 20):
+        _write_checkpoint(store, step)
+        store.commit(step, {})
+    (tmp_path / "fresh" / "step-000000000020" / "model.bin").write_bytes(b"rot")  # the newest no longer verifies
+
+    def adopt() -> CheckpointRecord | None:
+        found = store.latest_loadable(on_bad=lambda cp, reason: None)
+        return None if found is None else store.record_for(found, "adopted")
+
+    lineage.begin(0, adopt)
+    assert [(r.step, r.token) for r in lineage.records()] == [(10, "adopted")]
+    lineage.begin(1, adopt)  # a lineage that records something adopts nothing more
+    assert len(lineage.records()) == 1
+
+
+# -- a real stale writer ----------------------------------------------------------------------------------------
+
+
+def _stopped_daemon(cluster: Cluster) -> str | None:
+    for name, node in cluster.nodes.items():
+        try:
+            if psutil.Process(node.proc.pid).status() == psutil.STATUS_STOPPED:
+                return name
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _events(path: Path, name: str) -> list[dict[str, object]]:
+    return [e for e in read_json_lines(path) if e.get("event") == name]
+
+
+@pytest.mark.timeout(420)
+def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loaded(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Rank 0 of the first round freezes its whole node (daemon and worker, SIGSTOP) with the checkpoint of step 20
+    # on disk, just before asking the fence. The others find the hang, evict the frozen node, form a new round
+    # (a new token) and commit newer checkpoints. Then the frozen node is thawed: its commit must be refused.
+    keys = RunKeys("stale")
+    client = EtcdClient.connect(parse_endpoints(etcd.endpoint), connect_timeout_s=30)
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="stale",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=train_args(100, 0.05),
+        # the first round waits for all three nodes, so that round 0 is the one with the frozen writer
+        extra=("--rdzv-conf", "last_call_timeout=5"),
+        env={"ELASTICD_FAULT": "freeze@commit=20,rank=0,round=0"},
+    ) as cluster:
+        try:
+            for name in ("a", "b", "c"):
+                cluster.start(name)
+            frozen = wait_until(lambda: _stopped_daemon(cluster), 180, "a node frozen mid-commit")
+            node = cluster.nodes[frozen]
+            first = node.wait_event("rendezvous_done")
+            assert first["nodes"] == 3, f"round 0 formed without all three nodes: {first}"
+            stale_token = str(node.wait_event("lineage_token")["token"])
+            stale_partial = tmp_path / "checkpoints" / "stale" / f"step-000000000020.{writer_id(stale_token)}.partial"
+
+            def newer_commit() -> bool:
+                return any(r.step >= 30 and r.token != stale_token for r in Lineage(client, keys).records())
+
+            wait_until(newer_commit, 240, "the other nodes committing newer checkpoints in a new round")
+            processes = [psutil.Process(node.proc.pid), *psutil.Process(node.proc.pid).children(recursive=True)]
+            for process in processes:
+                process.send_signal(signal.SIGCONT)
+
+            def fenced() -> bool:
+                return any(e.get("step") == 20 for e in _events(node.err, "checkpoint_fenced"))
+
+            wait_until(fenced, 120, f"{frozen}: its commit of step 20 refused")
+            for other in cluster.nodes.values():
+                assert other.wait(240) == 0, cluster.diagnostics()
+        except AssertionError:
+            raise AssertionError(cluster.diagnostics()) from None
+
+    records = Lineage(client, keys).records()
+    client.close()
+    assert records and all(r.token != stale_token for r in records), [(r.step, r.token) for r in records]
+    revisions = sorted((rev, json.loads(value)["step"]) for _k, value, rev in _lineage_raw(etcd.endpoint, keys))
+    steps_in_commit_order = [step for _rev, step in revisions]
+    assert steps_in_commit_order == sorted(set(steps_in_commit_order)), "recorded steps must only grow"
+    store = CheckpointStore(tmp_path / "checkpoints", "stale")
+    kept = [r for r in records if (store.dir / r.dir).exists()]
+    assert kept, "no recorded checkpoint is left on disk"
+    for record in kept:
+        checkpoint = Checkpoint(record.step, store.dir / record.dir)
+        assert store.resolve([record], on_bad=lambda cp, reason: pytest.fail(f"{cp.path}: {reason}")) == checkpoint
+    assert not stale_partial.exists(), "the stale writer's directory must be gone"
+    recorded_dirs = {str(store.dir / r.dir) for r in records}
+    for name, each in cluster.nodes.items():
+        for resumed in _events(each.err, "resumed"):
+            assert resumed["path"] in recorded_dirs, (
+                f"{name} loaded {resumed['path']}, which the lineage never recorded"
+            )
+
+
+def _lineage_raw(endpoint: str, keys: RunKeys) -> list[tuple[str, bytes, int]]:
+    client = EtcdClient.connect(parse_endpoints(endpoint), connect_timeout_s=30)
+    try:
+        return client.get_prefix(keys.lineage_checkpoints_prefix)
+    finally:
+        client.close()
