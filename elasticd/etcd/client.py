@@ -267,9 +267,10 @@ class EtcdClient:
         _check_prefix(prefix)
         return int(self._call("delete_prefix", lambda: self._raw.delete_prefix(prefix)).deleted)
 
-    def revision(self) -> int:
-        """The store's current revision (from a response header)."""
-        return int(self._call("revision", lambda: self._raw.get_response("\0", count_only=True)).header.revision)
+    def revision(self, key: str = "\0") -> int:
+        """The store's current revision, from the header of a count-only read of ``key``: a user whose role may read
+        only its run's keys passes one of them (etcd refuses a read outside the role's ranges)."""
+        return int(self._call("revision", lambda: self._raw.get_response(key, count_only=True)).header.revision)
 
     # -- leases --------------------------------------------------------------------------------------------
 

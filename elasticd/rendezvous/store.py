@@ -135,7 +135,7 @@ class EtcdV3Store(dist.Store):
         while len(found) < len(full):
             # Read the revision first, then the keys: a write after that read has a later revision, which the
             # watch below replays, so nothing set between the read and the start of the watch is missed.
-            revision = self._etcd(self._client.revision)
+            revision = self._etcd(self._client.revision, self._prefix)
             found = self._etcd(self._client.get_many, list(full))
             missing = [f for f in full if f not in found]
             if not missing:
