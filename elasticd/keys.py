@@ -64,6 +64,11 @@ class RunKeys:
         return f"{self.prefix}round"
 
     @property
+    def plan(self) -> str:
+        """The batch constraint the workers reported (JSON): which node counts train (``agent/spares.py``)."""
+        return f"{self.prefix}plan"
+
+    @property
     def checkpoint_latest(self) -> str:
         return f"{self.prefix}checkpoint/latest"
 

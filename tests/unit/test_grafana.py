@@ -60,6 +60,7 @@ EXTRA: dict[str, tuple[str, dict[str, tuple[str, ...] | None]]] = {
     "elasticd_max_nodes": ("gauge", {}),
     "elasticd_hang_timeout_seconds": ("gauge", {}),
     "elasticd_stragglers_total": ("counter", {}),
+    "elasticd_spare": ("gauge", {}),
 }
 _METRIC_NAME = re.compile(r"\belasticd_[a-z0-9_]+")
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
