@@ -164,7 +164,7 @@ class Sizing:
             self._metrics.world_size.set(world_size)
         if self._registry is not None:
             fields: dict[str, Any] = {"world_size": world_size, "training_nodes": training}
-            self._registry.update(**fields, **({"state": "spare"} if self.spare else {}))
+            self._registry.update(**fields, **({"state": "spare", "workers": 0} if self.spare else {}))
         if training < self.nodes:
             constraint = self._known()
             high = self.nodes if self._max is None else self._max
