@@ -72,6 +72,11 @@ class RunKeys:
         return f"{self.lineage_checkpoints_prefix}{step:012d}"
 
     @property
+    def plan(self) -> str:
+        """The batch constraint the workers reported (JSON): which node counts train (``agent/spares.py``)."""
+        return f"{self.prefix}plan"
+
+    @property
     def checkpoint_latest(self) -> str:
         return f"{self.prefix}checkpoint/latest"
 

@@ -38,6 +38,7 @@ class Metrics:
     min_nodes: Gauge
     max_nodes: Gauge
     world_size: Gauge
+    spare: Gauge
     rendezvous_total: Counter
     rendezvous_duration_seconds: Histogram
     worker_restarts_total: Counter
@@ -81,6 +82,11 @@ class Metrics:
             min_nodes=Gauge("elasticd_min_nodes", "Fewest nodes the run trains with (--min-nodes).", **kw),
             max_nodes=Gauge("elasticd_max_nodes", "Most nodes the run grows to (--max-nodes).", **kw),
             world_size=Gauge("elasticd_world_size", "Workers in the current rendezvous round.", **kw),
+            spare=Gauge(
+                "elasticd_spare",
+                "1 while this node waits as a spare (the round's node count does not split the global batch), else 0.",
+                **kw,
+            ),
             rendezvous_total=Counter("elasticd_rendezvous", "Completed rendezvous rounds.", **kw),
             rendezvous_duration_seconds=Histogram(
                 "elasticd_rendezvous_duration_seconds", "Time to form a round.", buckets=_RDZV_BUCKETS, **kw

@@ -1,7 +1,9 @@
 """``elasticd status``: the run as etcd sees it — nodes, round, world size, step, last checkpoint, health.
 
 Read-only: it lists the node registry and ``checkpoint/latest``. A node whose record was not refreshed for
-:data:`STALE_AFTER_S` is shown as ``stale`` (its lease is about to expire, or its daemon is stuck).
+:data:`STALE_AFTER_S` is shown as ``stale`` (its lease is about to expire, or its daemon is stuck). A node in state
+``spare`` is healthy and idle: the round's node count does not split the global batch, so it waits for the next
+membership change (``agent/spares.py``); the run is ``ok`` while the others train, ``waiting`` when every node is one.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def collect_status(client: EtcdClient, run_id: str, now: float | None = None) ->
     rounds = [n["round"] for n in nodes if isinstance(n.get("round"), int)]
     steps = [n["last_step"] for n in nodes if isinstance(n.get("last_step"), int)]
     sizes = [n["world_size"] for n in nodes if isinstance(n.get("world_size"), int)]
+    spares = [str(n.get("node_id")) for n in nodes if n.get("state") == "spare"]
     return {
         "run_id": run_id,
         "nodes": nodes,
@@ -47,12 +50,13 @@ def collect_status(client: EtcdClient, run_id: str, now: float | None = None) ->
         "world_size": max(sizes) if sizes else None,
         "step": max(steps) if steps else None,
         "checkpoint": checkpoint,
+        "spares": spares,
         "health": _run_health(nodes),
     }
 
 
 def _health(state: str) -> str:
-    return {"running": "ok", "finished": "done", "failed": "failed"}.get(state, state)
+    return {"running": "ok", "finished": "done", "failed": "failed", "spare": "spare"}.get(state, state)
 
 
 def _run_health(nodes: list[dict[str, Any]]) -> str:
@@ -60,7 +64,9 @@ def _run_health(nodes: list[dict[str, Any]]) -> str:
         return "no nodes"
     if any(n["health"] in {"stale", "failed"} for n in nodes):
         return "degraded"
-    if all(n["health"] == "ok" for n in nodes):
+    if all(n["health"] == "spare" for n in nodes):
+        return "waiting"  # no node count present splits the global batch: nobody trains until one joins
+    if all(n["health"] in {"ok", "spare"} for n in nodes):
         return "ok"
     return "changing"
 
@@ -91,6 +97,7 @@ def _render(status: dict[str, Any]) -> None:
         f"run [bold]{status['run_id']}[/]  health [bold]{status['health']}[/]  nodes {status['node_count']}  "
         f"round {_dash(status['round'])}  world size {_dash(status['world_size'])}  step {_dash(status['step'])}  "
         f"last checkpoint {_dash(ckpt.get('step') if ckpt else None)}"
+        + (f"  spares {len(status['spares'])}" if status["spares"] else "")
     )
     if not status["nodes"]:
         return

@@ -99,13 +99,15 @@ def _health() -> list[PanelSpec]:
         ),
         PanelSpec(
             "Nodes and elastic range",
-            "Nodes in the round as each daemon sees it, against --min-nodes and --max-nodes, and the number "
-            "of daemons Prometheus scrapes.",
+            "Nodes in the round as each daemon sees it, against --min-nodes and --max-nodes, the number "
+            "of daemons Prometheus scrapes, and the spares (nodes waiting because the round's node count does not "
+            "split the global batch).",
             [
                 Query(per_node("elasticd_nodes"), "{{node}}"),
                 Query(f"max({run('elasticd_min_nodes')})", "min nodes"),
                 Query(f"max({run('elasticd_max_nodes')})", "max nodes"),
                 Query(f"count({run('elasticd_info')})", "daemons up"),
+                Query(f"sum({run('elasticd_spare')})", "spares"),
             ],
         ),
         PanelSpec(

@@ -27,6 +27,7 @@ from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.registry import NodeRegistry, read_nodes
+from elasticd.agent.spares import EtcdPlanStore, Sizing
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.agent.supervisor import ElasticdAgent
 from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
@@ -135,6 +136,15 @@ def run_daemon(cfg: StartConfig) -> int:
             ),
             stragglers=StragglerDetector(factor=cfg.straggler_factor, window_s=cfg.straggler_window_s),
             read_peers=lambda: read_nodes(client, keys),
+            sizing=Sizing(
+                min_nodes=cfg.min_nodes,
+                max_nodes=cfg.max_nodes,
+                plans=EtcdPlanStore(client, keys),
+                participants=handler.participants,
+                read_peers=lambda: read_nodes(client, keys),
+                metrics=metrics,
+                registry=registry,
+            ),
         )
         stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat).close)
         _install_leave_signals(agent)

@@ -56,6 +56,9 @@ class Observation:
     # the fencing token the workers hold is no longer the run's (etcd lost its data, or a newer group took over):
     # they could never commit again
     lineage_lost: bool = False
+    # the round must re-form for its sizes (agent/spares.py): the workers exited because the node count does not split
+    # the global batch, or a spare saw a member leave
+    resize: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,9 @@ class SupervisorPolicy:
             return Decision(Action.LEAVE, reason="drain", planned=True)
         if obs.fatal_message:
             return Decision(Action.STOP, reason="fatal", message=obs.fatal_message)
+        if obs.resize:
+            # arithmetic, not a fault: like a join, it never consumes --max-restarts
+            return Decision(Action.RESTART, reason="membership", planned=obs.state is GroupState.HEALTHY)
         if obs.state is GroupState.FAILED:
             if obs.restarts_left > 0:
                 return Decision(Action.RESTART, reason="failure", counts_as_restart=True)

@@ -15,9 +15,10 @@ import signal
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any, TypeVar
 
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
@@ -27,6 +28,7 @@ from elasticd.agent.policy import Action, GroupState, HangReport, Observation, S
 from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
+from elasticd.agent.spares import Sizing
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.errors import RoundAbandoned
 from elasticd.etcd.client import EtcdError
@@ -69,6 +71,7 @@ class ElasticdAgent(LocalElasticAgent):
         stragglers: StragglerDetector | None = None,
         read_peers: Callable[[], list[dict[str, Any]]] = list,
         clock: Callable[[], float] = time.monotonic,
+        sizing: Sizing | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -99,6 +102,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._read_peers = read_peers
         self._workers_started_at = clock()
         self._etcd_warned = -_ETCD_WARN_INTERVAL_S
+        self.sizing = sizing or Sizing()
 
     @property
     def log(self) -> Any:
@@ -208,6 +212,21 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("lineage_lost", cause=cause, token=self.token, current=current)
         return True
 
+    def _assign_worker_ranks(
+        self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
+    ) -> list[Worker]:
+        # Only the nodes that train get ranks, counted among themselves (WORLD_SIZE, RANK); a spare gets none.
+        training = self.sizing.agree(store, group_rank, group_world_size, getattr(spec.rdzv_handler, "round", None))
+        if group_rank >= training:
+            return []
+        return super()._assign_worker_ranks(store, group_rank, training, spec)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self.sizing.spare:  # no workers: healthy until a training node finished the run
+            finished = self._poll(self.sizing.run_finished, False)
+            return RunResult(state=WorkerState.SUCCEEDED if finished else WorkerState.HEALTHY)
+        return super()._monitor_workers(worker_group)
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         # Workers inherit the daemon's environment: the round (for manifests) and the token that fences commits.
         os.environ[envvars.ROUND] = str(self.round if self.round is not None else 0)
@@ -218,6 +237,9 @@ class ElasticdAgent(LocalElasticAgent):
         self._workers_started_at = self._clock()
         if self.hangs is not None:
             self.hangs.reset(tuple(sorted(w.local_rank for w in worker_group.workers)), self._workers_started_at)
+        if self.sizing.started(self._log, worker_group.spec.local_world_size):
+            self._pcontext = None  # a spare this round: nothing to start, stop or watch
+            return {}
         pids = super()._start_workers(worker_group)
         self._log.info("workers_started", pids=sorted(pids.values()), local_world_size=len(pids))
         self._registry.update(state="running")
@@ -226,6 +248,7 @@ class ElasticdAgent(LocalElasticAgent):
     def on_beat(self, beat: dict[str, Any]) -> None:
         """Called on the beat receiver's thread for every beat of a local worker."""
         self.progress.on_beat(beat)
+        self.sizing.on_beat(beat)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -267,6 +290,7 @@ class ElasticdAgent(LocalElasticAgent):
                     fatal_message=fatal.message if fatal else "",
                     hang=hang,
                     lineage_lost=lineage_lost,
+                    resize=self._poll(partial(self.sizing.reform_needed, state, result.failures), False),
                 )
             )
             if decision.action is Action.CONTINUE:
@@ -317,11 +341,13 @@ class ElasticdAgent(LocalElasticAgent):
 
     def _on_hang(self, worker_group: WorkerGroup, suspicion: Any) -> HangReport | None:
         assert self.hangs is not None
+        if self.sizing.spare:
+            return None  # no workers here: the training nodes diagnose their hang without this node
         pcontext = self._pcontext
         pids = dict(pcontext.pids()) if pcontext is not None else {}
         return self.hangs.handle(
             round_=self.round or 0,
-            members=list(self._members),
+            members=self.sizing.training_members(self._members),
             pids=pids,
             ranks={w.local_rank: w.global_rank for w in worker_group.workers},
             can_dump=self.reports.can_dump_stacks(),

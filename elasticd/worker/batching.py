@@ -4,17 +4,28 @@
 global_batch_size`` so that the optimizer sees the same batch, and the LR schedule the same steps, whatever the world
 size. Where no integer accumulation fits, :class:`BatchPlanError` says so on one line and names the node counts of
 the elastic range where it does fit, or sizes that would (as DeepSpeed's elastic config does).
+
+:class:`BatchConstraint` is the same arithmetic seen from the daemons: which node counts of the elastic range can
+train at all (:meth:`BatchConstraint.training_nodes`), so that a round whose node count does not split the global
+batch trains on the largest count that does while the other nodes wait as spares (``elasticd/agent/spares.py``).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from elasticd.errors import ConfigError
 
 # A suggested global batch larger than this many times the one asked for is no use as advice (lcm(1..n) explodes).
 _MAX_SUGGESTION_FACTOR = 16
+# A worker whose world does not split the global batch, while another node count of the range would, exits with this
+# code after its ``batch_plan`` beat: its daemon records the constraint and re-forms the round with spares. Not 1 (a
+# Python exception) nor 2 (argparse, and elasticd's usage errors), which a script produces for its own reasons.
+EXIT_RESIZE = 3
+# How many global batches that fit every node count of the range the spare warning names.
+_EVERY_COUNT_SUGGESTIONS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +129,74 @@ def plan_batches(
         world_size=world_size,
         fitting_nodes=fitting,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConstraint:
+    """What decides which node counts can train: ``global_batch_size % (micro * nproc_per_node * nodes) == 0``."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    nproc_per_node: int
+
+    def __post_init__(self) -> None:
+        for key in ("global_batch_size", "micro_batch_size", "nproc_per_node"):
+            _require_positive(key, getattr(self, key))
+
+    @property
+    def node_unit(self) -> int:
+        """Samples one node takes per micro-batch round: every count that trains splits the global batch by it."""
+        return self.micro_batch_size * self.nproc_per_node
+
+    def fits(self, nodes: int) -> bool:
+        return nodes >= 1 and self.global_batch_size % (self.node_unit * nodes) == 0
+
+    def fitting(self, low: int, high: int) -> tuple[int, ...]:
+        """The node counts in ``low..high`` that split the global batch."""
+        return tuple(n for n in range(max(1, low), high + 1) if self.fits(n))
+
+    def training_nodes(self, nodes: int, low: int, high: int) -> int:
+        """How many of ``nodes`` train: the largest count in ``low..min(high, nodes)`` that fits, 0 when none does."""
+        return max(self.fitting(low, min(high, nodes)), default=0)
+
+    def batches_for_every_count(self, low: int, high: int, count: int = _EVERY_COUNT_SUGGESTIONS) -> tuple[int, ...]:
+        """The smallest ``count`` global batches that split over every node count in ``low..high``."""
+        unit = self.node_unit * math.lcm(*range(max(1, low), high + 1))
+        return tuple(unit * k for k in range(1, count + 1))
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "global_batch_size": self.global_batch_size,
+            "micro_batch_size": self.micro_batch_size,
+            "nproc_per_node": self.nproc_per_node,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> BatchConstraint | None:
+        """The constraint in ``data`` (a beat or the etcd record), or None when it is not a valid one."""
+        if not isinstance(data, dict):
+            return None
+        values = [data.get(key) for key in ("global_batch_size", "micro_batch_size", "nproc_per_node")]
+        numbers = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 1]
+        return cls(*numbers) if len(numbers) == len(values) else None
+
+
+def spare_warning(constraint: BatchConstraint, nodes: int, training: int, low: int, high: int) -> str:
+    """One line for a round of ``nodes`` whose node count does not split the global batch: who trains, what fits."""
+    spares = nodes - training
+    per_node = f"{constraint.nproc_per_node} process{'es' if constraint.nproc_per_node != 1 else ''} per node"
+    head = (
+        f"global batch {constraint.global_batch_size} does not split into micro-batches of"
+        f" {constraint.micro_batch_size} over {nodes} node{'s' if nodes != 1 else ''} ({per_node})"
+    )
+    if training:
+        who = f"{training} train and " + ("1 waits as a spare" if spares == 1 else f"{spares} wait as spares")
+    elif fitting := constraint.fitting(low, high):
+        who = f"all {nodes} wait as spares until the round has {_join(fitting)} nodes"
+    else:
+        who = f"no node count in {low}..{high} can train"
+    every = ", ".join(str(b) for b in constraint.batches_for_every_count(low, high))
+    return f"{head}: {who}; global batches that fit every node count in {low}..{high}: {every}"
 
 
 def _require_positive(key: str, value: object) -> int:

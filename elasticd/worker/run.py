@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import structlog
@@ -37,7 +37,7 @@ from accelerate.utils import broadcast_object_list
 from elasticd.board import NullSlotWriter, Phase, SlotWriter, slot_path
 from elasticd.errors import EXIT_USAGE, ConfigError
 from elasticd.logging import configure_logging, get_logger
-from elasticd.worker.batching import BatchPlan, plan_batches
+from elasticd.worker.batching import EXIT_RESIZE, BatchConstraint, BatchPlan, BatchPlanError, plan_batches
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
 from elasticd.worker.coordination import Coordinator
@@ -148,15 +148,32 @@ class Run:
                 min_nodes=s.min_nodes,
                 max_nodes=s.max_nodes,
             )
+        except BatchPlanError as exc:
+            self._resize_or_stop(exc)
         except ConfigError as exc:
             # A restart would fail the same way: tell the daemon to stop the run with the usage exit code.
             self.beats.send("fatal", reason="config", message=str(exc), exit_code=EXIT_USAGE)
             raise TrainingStopped(f"elasticd: error: {exc}") from None
+        # the daemons decide from it which node counts train when a node comes or goes (agent/spares.py)
+        self.beats.send(
+            "batch_plan", **BatchConstraint(plan.global_batch_size, plan.micro_batch_size, s.nproc_per_node).to_json()
+        )
         self.plan = plan
         self._seed = seed
         self.accelerator.gradient_accumulation_steps = plan.accumulation
         sampler = ElasticSampler(len(dataset), plan, self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
         return ElasticLoader(dataset, plan, sampler, collate_fn, num_workers)
+
+    def _resize_or_stop(self, error: BatchPlanError) -> NoReturn:
+        """This world does not split the global batch. Under a daemon, when another node count of the range does,
+        report the constraint and exit for the daemons to re-form with spares; otherwise the run cannot go on."""
+        if error.fitting_nodes and self.beats.enabled:
+            constraint = BatchConstraint(error.global_batch_size, error.micro_batch_size, self.settings.nproc_per_node)
+            self.beats.send("batch_plan", **constraint.to_json())
+            self.log.warning("resize_requested", world_size=self.world_size, fitting_nodes=list(error.fitting_nodes))
+            raise SystemExit(EXIT_RESIZE)
+        self.beats.send("fatal", reason="config", message=str(error), exit_code=EXIT_USAGE)
+        raise TrainingStopped(f"elasticd: error: {error}") from None
 
     def resume(self, model: Any, optimizer: Any, scheduler: Any = None) -> TrainingState:
         """Load the newest committed checkpoint that verifies (a no-op on a fresh run) and arm the guard."""

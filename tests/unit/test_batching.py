@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elasticd.errors import EXIT_USAGE, ConfigError
-from elasticd.worker.batching import BatchPlan, BatchPlanError, plan_batches
+from elasticd.worker.batching import BatchConstraint, BatchPlan, BatchPlanError, plan_batches, spare_warning
 
 
 @pytest.mark.parametrize(
@@ -124,3 +124,95 @@ def test_bad_values_are_rejected_with_a_message_naming_the_argument(kwargs: dict
 def test_an_inconsistent_plan_cannot_be_built_by_hand() -> None:
     with pytest.raises(ValueError, match="inconsistent batch plan"):
         BatchPlan(global_batch_size=256, micro_batch_size=32, world_size=3, accumulation=2)
+
+
+# -- the constraint the daemons size rounds with (agent/spares.py) -----------------------------------------------
+
+
+def test_constraint_trains_the_largest_node_count_that_splits_the_global_batch() -> None:
+    constraint = BatchConstraint(global_batch_size=16, micro_batch_size=4, nproc_per_node=1)
+    assert constraint.fitting(2, 4) == (2, 4)
+    assert [constraint.training_nodes(n, 2, 4) for n in (2, 3, 4)] == [2, 2, 4]
+    assert constraint.training_nodes(5, 2, 4) == 4  # never above --max-nodes
+    assert constraint.training_nodes(3, 3, 4) == 0  # only 4 fits and 3 are here: nobody can train yet
+
+
+def test_constraint_counts_every_process_of_a_node() -> None:
+    constraint = BatchConstraint(global_batch_size=48, micro_batch_size=4, nproc_per_node=2)  # 8 samples per node
+    assert constraint.fitting(1, 8) == (1, 2, 3, 6)
+    assert constraint.training_nodes(5, 1, 8) == 3
+
+
+def test_the_card_scale_example_keeps_six_of_seven_nodes_training() -> None:
+    # issue 10, Why 14: 8 nodes, global batch 48 in micro-batches of 1, one node lost
+    assert BatchConstraint(48, 1, 1).training_nodes(7, 2, 8) == 6
+
+
+@given(
+    global_batch=st.integers(1, 512),
+    micro=st.integers(1, 64),
+    nproc=st.integers(1, 8),
+    low=st.integers(1, 8),
+    span=st.integers(0, 8),
+    nodes=st.integers(1, 20),
+)
+def test_training_nodes_agrees_with_plan_batches(
+    global_batch: int, micro: int, nproc: int, low: int, span: int, nodes: int
+) -> None:
+    constraint = BatchConstraint(global_batch, micro, nproc)
+    training = constraint.training_nodes(nodes, low, low + span)
+    for n in range(low, min(nodes, low + span) + 1):
+        try:
+            plan_batches(global_batch, micro, n * nproc)
+        except BatchPlanError:
+            assert n != training
+        else:
+            assert n <= training  # the largest count that plans is the one that trains
+    if training:
+        assert low <= training <= min(nodes, low + span)
+        assert plan_batches(global_batch, micro, training * nproc).world_size == training * nproc
+
+
+def test_batches_for_every_count_split_over_each_count_of_the_range() -> None:
+    constraint = BatchConstraint(16, 4, 1)
+    assert constraint.batches_for_every_count(2, 4) == (48, 96, 144)
+    for batch in constraint.batches_for_every_count(2, 4):
+        assert all(BatchConstraint(batch, 4, 1).fits(n) for n in range(2, 5))
+
+
+def test_spare_warning_is_one_line_naming_who_trains_and_the_batches_that_fit_every_count() -> None:
+    message = spare_warning(BatchConstraint(16, 4, 1), nodes=3, training=2, low=2, high=4)
+    assert message == (
+        "global batch 16 does not split into micro-batches of 4 over 3 nodes (1 process per node): 2 train and 1"
+        " waits as a spare; global batches that fit every node count in 2..4: 48, 96, 144"
+    )
+    several = spare_warning(BatchConstraint(48, 1, 1), nodes=7, training=4, low=2, high=8)
+    assert "4 train and 3 wait as spares" in several and "2..8: 840, 1680, 2520" in several
+
+
+def test_spare_warning_when_nobody_can_train_names_the_counts_to_wait_for() -> None:
+    message = spare_warning(BatchConstraint(32, 4, 2), nodes=3, training=0, low=3, high=4)
+    assert "over 3 nodes (2 processes per node): all 3 wait as spares until the round has 4 nodes" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        None,
+        [],
+        {},
+        {"global_batch_size": 16, "micro_batch_size": 4},
+        {"global_batch_size": 16, "micro_batch_size": 4, "nproc_per_node": 0},
+        {"global_batch_size": True, "micro_batch_size": 4, "nproc_per_node": 1},
+        {"global_batch_size": "16", "micro_batch_size": 4, "nproc_per_node": 1},
+        {"global_batch_size": 16.0, "micro_batch_size": 4, "nproc_per_node": 1},
+    ],
+)
+def test_a_constraint_that_does_not_parse_is_none(data: object) -> None:
+    assert BatchConstraint.from_json(data) is None
+
+
+def test_a_constraint_survives_json() -> None:
+    constraint = BatchConstraint(16, 4, 2)
+    assert BatchConstraint.from_json({**constraint.to_json(), "kind": "batch_plan", "rank": 3}) == constraint

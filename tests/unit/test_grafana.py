@@ -66,6 +66,7 @@ EXTRA: dict[str, tuple[str, dict[str, tuple[str, ...] | None]]] = {
     "elasticd_hang_timeout_seconds": ("gauge", {}),
     "elasticd_stragglers_total": ("counter", {}),
     "elasticd_fence_token_failures_total": ("counter", {}),
+    "elasticd_spare": ("gauge", {}),
 }
 _METRIC_NAME = re.compile(r"\belasticd_[a-z0-9_]+")
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

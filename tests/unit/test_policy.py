@@ -82,3 +82,20 @@ def test_drain_wins_over_a_hang_and_a_failure_over_a_hang() -> None:
     assert policy.decide(Observation(GroupState.HEALTHY, drain_requested=True, hang=hang)).action is Action.DRAIN
     d = policy.decide(Observation(GroupState.FAILED, restarts_left=2, hang=hang))
     assert d.reason == "failure"
+
+
+def test_a_resize_restarts_for_free_and_plans_a_checkpoint_only_while_workers_run() -> None:
+    failed = policy.decide(Observation(GroupState.FAILED, restarts_left=0, resize=True))
+    assert (failed.action, failed.reason, failed.counts_as_restart, failed.planned) == (
+        Action.RESTART,
+        "membership",
+        False,
+        False,
+    )
+    healthy = policy.decide(Observation(GroupState.HEALTHY, resize=True))
+    assert (healthy.action, healthy.planned) == (Action.RESTART, True)
+
+
+def test_a_drain_or_a_fatal_report_wins_over_a_resize() -> None:
+    assert policy.decide(Observation(GroupState.HEALTHY, resize=True, drain_requested=True)).action is Action.DRAIN
+    assert policy.decide(Observation(GroupState.FAILED, resize=True, fatal_message="x")).action is Action.STOP
