@@ -15,7 +15,8 @@ from elasticd.keys import RunKeys
 
 
 def clear_finished_run(client: EtcdClient, keys: RunKeys) -> list[str]:
-    """Remove a closed rendezvous state, stale control requests and hang records; returns what was removed."""
+    """Remove a closed rendezvous state, stale control requests, hang records and the batch plan; returns what
+    was removed. The checkpoint lineage stays: a new job under the same run id resumes from it."""
     removed: list[str] = []
     current = client.get(keys.rdzv_state)
     if current is not None:
@@ -34,4 +35,6 @@ def clear_finished_run(client: EtcdClient, keys: RunKeys) -> list[str]:
     if client.get_prefix(keys.hang_prefix):
         client.delete_prefix(keys.hang_prefix)  # a new job starts its hang repeat count at zero
         removed.append("hang diagnoses")
+    if client.delete(keys.plan):
+        removed.append("batch plan")  # the new job's workers report their own (agent/spares.py)
     return removed
