@@ -44,6 +44,7 @@ class Phase(IntEnum):
     PARKED = 4  # saved the checkpoint its daemon asked for; waiting to be stopped
     DONE = 5  # epochs finished: final waits and exit
     BUSY = 6  # the script's own long work between steps (``with run.busy():``, e.g. an evaluation)
+    EXITING = 7  # an exception escaped the script: the process is on its way out (a failure for torch to report)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,10 +4,21 @@ Every daemon whose workers stop making progress (and every daemon that sees a pe
 
 1. **claim** ``hang/round-<n>/claim`` with a create-if-absent transaction: the first node owns the hang and names
    it (its diagnostics directory); the others read the name;
-2. **report**: each node collects its local evidence and puts it under ``hang/round-<n>/nodes/<node>``;
-3. **summary**: the owner waits for the reports of every member of the round (bounded), chooses the culprit
-   (``diagnosis.py``), counts how often the same step hung in a row (``hang/last``), and puts the summary; the
-   others wait for it and act on that same summary, so all nodes restart, or all give up, with one diagnosis.
+2. **report**: each node collects its local evidence and puts it under ``hang/round-<n>/nodes/<node>``, tagged
+   with the hang's name;
+3. **summary**: the owner waits for the reports of every member of the round (bounded, and never for a member
+   whose daemon is gone or frozen: ``liveness.py``), chooses the culprit (``diagnosis.py``), counts how often the
+   same step hung in a row (``hang/last``), and puts the summary; the others wait for it and act on that same
+   summary, so all nodes restart, or all give up, with one diagnosis.
+
+A hang can be **abandoned**: a node whose own worker exited while it took part (the silence was a failure on its
+way, which torch's monitor reports) gives it up; an owner that gives up puts an ``abandoned`` summary, so the
+others give up too instead of waiting, and a later hang of the same round may claim afresh.
+
+**Repeats** (``hang/last``: step, attempts, round): only a diagnosis whose cause is a hang of the training counts
+(not a lost node, not an exited worker), and at most once per round, never from a round older than the last one
+counted: a late report from a node that was stopped and evicted never pushes a healthy run toward
+``--hang-attempts``.
 
 No node stops its workers before it has reported, and the owner publishes only after every report or the deadline,
 so a node that kills its workers early never destroys another node's evidence. Keys of older rounds are removed by
@@ -18,7 +29,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from elasticd.agent.diagnosis import diagnose
@@ -30,6 +41,8 @@ from elasticd.keys import RunKeys
 # then each node diagnoses from the reports it can read, which is the same set once all have reported).
 REPORT_WAIT_S = 5.0
 SUMMARY_WAIT_S = 8.0
+# Seconds between two polls of etcd while waiting.
+_POLL_S = 0.05
 
 
 class HangAgreement:
@@ -48,66 +61,123 @@ class HangAgreement:
         self._clock = clock
         self._sleep = sleep
 
+    def _key(self, round_: int, name: str) -> str:
+        return self._keys.hang_round(round_) + name
+
     def claim(self, round_: int, name: str) -> tuple[str, bool]:
-        """(the hang's name, whether this node owns it); ``name`` is ours if we are first."""
-        key = self._keys.hang_round(round_) + "claim"
+        """(the hang's name, whether this node owns it); ``name`` is ours if we are first, or if the round's
+        earlier hang was abandoned (then it is cleared first)."""
+        key = self._key(round_, "claim")
         record = json.dumps({"name": name, "node": self._node, "at": time.time()})
         if self._client.create(key, record):
             return name, True
-        existing = self.claimed(round_)
+        found = self._client.get(key)
+        if found is not None and self._abandoned(round_, _name(found[0])):
+            # the round's earlier hang was given up (a worker exited); one that outlives it is a new hang
+            if self._client.delete_if_revision(key, found[1]):
+                self._client.delete(self._key(round_, "summary"))
+                if self._client.create(key, record):
+                    return name, True
+            found = self._client.get(key)
+        existing = _name(found[0]) if found is not None else ""
         return (existing, False) if existing else (name, True)
 
     def claimed(self, round_: int) -> str | None:
-        """The name of a hang a node claimed in ``round_``, if any (the loop polls this)."""
-        found = self._client.get(self._keys.hang_round(round_) + "claim")
+        """The name of a hang a node claimed in ``round_`` and did not abandon, if any (the loop polls this)."""
+        found = self._client.get(self._key(round_, "claim"))
         if found is None:
             return None
-        return str(json.loads(found[0]).get("name", "")) or None
+        name = _name(found[0])
+        return name if name and not self._abandoned(round_, name) else None
 
-    def report(self, round_: int, evidence: list[RankEvidence]) -> None:
-        key = f"{self._keys.hang_round(round_)}nodes/{self._node}"
-        self._client.put(key, json.dumps([e.to_json() for e in evidence]))
+    def report(self, round_: int, evidence: Sequence[RankEvidence], hang: str = "") -> None:
+        key = self._key(round_, f"nodes/{self._node}")
+        self._client.put(key, json.dumps({"hang": hang, "evidence": [e.to_json() for e in evidence]}))
 
-    def reports(self, round_: int) -> dict[str, list[RankEvidence]]:
-        prefix = f"{self._keys.hang_round(round_)}nodes/"
-        return {
-            key[len(prefix) :]: [RankEvidence.from_json(e) for e in json.loads(value)]
-            for key, value, _rev in self._client.get_prefix(prefix)
-        }
+    def reports(self, round_: int, hang: str = "") -> dict[str, list[RankEvidence]]:
+        """Every node's report of the hang called ``hang`` in ``round_``."""
+        prefix = self._key(round_, "nodes/")
+        found = {}
+        for key, value, _rev in self._client.get_prefix(prefix):
+            data = json.loads(value)
+            if isinstance(data, dict) and data.get("hang", "") == hang:
+                found[key[len(prefix) :]] = [RankEvidence.from_json(e) for e in data.get("evidence") or []]
+        return found
 
-    def decide(self, round_: int, members: list[str], *, owner: bool, extra: dict[str, Any]) -> dict[str, Any]:
-        """The summary every node acts on: written by the owner, read by the others."""
-        summary_key = self._keys.hang_round(round_) + "summary"
+    def abandon(self, round_: int, hang: str, reason: str) -> None:
+        """The owner gives the hang up: the others stop waiting for a summary and give it up too."""
+        record = {"abandoned": True, "hang": hang, "node": self._node, "reason": reason}
+        self._client.put(self._key(round_, "summary"), json.dumps(record))
+
+    def _abandoned(self, round_: int, hang: str) -> bool:
+        found = self._client.get(self._key(round_, "summary"))
+        if found is None:
+            return False
+        summary = json.loads(found[0])
+        return bool(summary.get("abandoned")) and summary.get("hang") == hang
+
+    def decide(
+        self,
+        round_: int,
+        members: Sequence[str],
+        *,
+        owner: bool,
+        extra: dict[str, Any],
+        lost: Callable[[], Mapping[str, str]] = dict,
+        abort: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Any] | None:
+        """The summary every node acts on: written by the owner, read by the others. None: the hang was abandoned
+        (``abort()`` became true here, or the owner gave it up). ``lost()`` names the members whose daemon is gone
+        or frozen: nobody waits for their reports, and they are the prime suspects."""
+        hang = str(extra.get("hang", ""))
+        summary_key = self._key(round_, "summary")
         if not owner:
             deadline = self._clock() + SUMMARY_WAIT_S
             while self._clock() < deadline:
                 found = self._client.get(summary_key)
                 if found is not None:
-                    return dict(json.loads(found[0]))
-                self._sleep(0.05)
+                    summary = dict(json.loads(found[0]))
+                    return None if summary.get("abandoned") else summary
+                if abort():
+                    return None
+                self._sleep(_POLL_S)
         deadline = self._clock() + REPORT_WAIT_S
-        reports = self.reports(round_)
-        while set(members) - set(reports) and self._clock() < deadline:
-            self._sleep(0.05)
-            reports = self.reports(round_)
-        diagnosis = diagnose([e for node in sorted(reports) for e in reports[node]])
+        while True:
+            reports = self.reports(round_, hang)
+            missing = set(members) - set(reports)
+            if abort():
+                return None
+            # never wait for a node whose daemon is gone: it will not report
+            if not missing or missing <= set(lost()) or self._clock() >= deadline:
+                break
+            self._sleep(_POLL_S)
+        gone = {node: why for node, why in lost().items() if node in missing}
+        diagnosis = diagnose([e for node in sorted(reports) for e in reports[node]], gone)
         summary = {
             **diagnosis.to_json(),
             "nodes_reported": sorted(reports),
-            "nodes_missing": sorted(set(members) - set(reports)),
+            "nodes_missing": sorted(missing),
             **extra,
         }
-        summary["attempt"] = self._count_attempt(diagnosis.step, summary.get("path", ""))
+        counted = diagnosis.counted
+        summary["attempt"] = self._count_attempt(round_, diagnosis.step, summary.get("path", "")) if counted else 0
         if owner:
             self._client.put(summary_key, json.dumps(summary))
         return summary
 
-    def _count_attempt(self, step: int, path: str) -> int:
-        """How many hangs in a row stopped at ``step`` (this one included); a hang elsewhere starts again at 1."""
+    def _count_attempt(self, round_: int, step: int, path: str) -> int:
+        """How many hangs in a row stopped at ``step`` (this one included); a hang elsewhere starts again at 1.
+
+        One hang per round at most: a second diagnosis of the same round (a node that diagnosed alone) does not
+        count again, and one from a round older than the last counted (a late report) does not count at all."""
         found = self._client.get(self._keys.hang_last)
         last = json.loads(found[0]) if found else {}
+        last_round = last.get("round")
+        if isinstance(last_round, int) and round_ <= last_round:
+            return int(last.get("attempts", 0)) if round_ == last_round else 0
         attempt = int(last.get("attempts", 0)) + 1 if last.get("step") == step else 1
-        self._client.put(self._keys.hang_last, json.dumps({"step": step, "attempts": attempt, "path": path}))
+        record = {"step": step, "attempts": attempt, "round": round_, "path": path}
+        self._client.put(self._keys.hang_last, json.dumps(record))
         return attempt
 
     def forget_rounds_before(self, round_: int) -> None:
@@ -118,3 +188,7 @@ class HangAgreement:
                 number = rest[len("round-") :].split("/", 1)[0]
                 if number.isdigit() and int(number) < round_:
                     self._client.delete(key)
+
+
+def _name(value: bytes) -> str:
+    return str(json.loads(value).get("name", ""))

@@ -25,6 +25,7 @@ from elasticd import __version__, envvars
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
+from elasticd.agent.liveness import RoundLiveness, read_view
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.registry import NodeRegistry, read_nodes
 from elasticd.agent.spares import EtcdPlanStore, Sizing
@@ -133,6 +134,7 @@ def run_daemon(cfg: StartConfig) -> int:
                 run_dir=cfg.checkpoint_dir.resolve() / cfg.run_id,
                 metrics=metrics,
                 log=lambda: agent.log,
+                liveness=RoundLiveness(cfg.node_id, lambda: read_nodes(client, keys), lambda: read_view(handler)),
             ),
             stragglers=StragglerDetector(factor=cfg.straggler_factor, window_s=cfg.straggler_window_s),
             read_peers=lambda: read_nodes(client, keys),

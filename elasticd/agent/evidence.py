@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,10 @@ ANSWER_TIMEOUT_S = 1.5
 # gradients during backward.
 _COLLECTIVE_PATHS = ("torch/distributed/", "torch/autograd/", "torch/nn/parallel/distributed.py")
 _PROC_STATES = {"R": "running", "S": "sleeping", "D": "disk-sleep", "T": "stopped", "t": "traced", "Z": "zombie"}
+# A process in one of these states has exited: it is a failure for torch's monitor to report, never a hang.
+EXITED_STATES = ("zombie", "gone")
+# A process in one of these states is alive but cannot run: it is what the others wait for.
+FROZEN_STATES = ("stopped", "traced")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +70,11 @@ def collect(
     can_dump: set[int],
     started_at: float,
     timeout_s: float = ANSWER_TIMEOUT_S,
+    stop: Callable[[], bool] = lambda: False,
 ) -> list[RankEvidence]:
-    """Evidence of every local rank in ``pids`` (local rank → pid); files go to ``out_dir/node-<node>/``."""
+    """Evidence of every local rank in ``pids`` (local rank → pid); files go to ``out_dir/node-<node>/``.
+
+    ``stop`` ends the wait for answers early (a worker exited: it will never answer, and the hang is off)."""
     node_dir = out_dir / f"node-{node}"
     node_dir.mkdir(parents=True, exist_ok=True)
     offsets: dict[int, int] = {}
@@ -80,7 +88,7 @@ def collect(
             requests[local_rank] = request_dump(slot_path(board_dir, local_rank))
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, STACKS_SIGNAL)
-    _wait_for_answers(board_dir, offsets, requests, timeout_s)
+    _wait_for_answers(board_dir, offsets, requests, timeout_s, stop)
     now = time.monotonic()
     evidence = []
     for local_rank, pid in sorted(pids.items()):
@@ -122,10 +130,12 @@ def collect(
     return evidence
 
 
-def _wait_for_answers(board_dir: Path, offsets: dict[int, int], requests: dict[int, int], timeout_s: float) -> None:
+def _wait_for_answers(
+    board_dir: Path, offsets: dict[int, int], requests: dict[int, int], timeout_s: float, stop: Callable[[], bool]
+) -> None:
     deadline = time.monotonic() + timeout_s
     sizes: dict[int, int] = {}
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop():
         stacks_done = True
         for local_rank, offset in offsets.items():
             path = stacks_path(board_dir, local_rank)
@@ -202,3 +212,8 @@ def process_state(pid: int) -> str:
     # the command name is in parentheses and may hold spaces: the state follows the last ')'
     code = stat.rsplit(")", 1)[-1].split()[0]
     return _PROC_STATES.get(code, code)
+
+
+def process_exited(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie not yet reaped by the agent, or gone)."""
+    return process_state(pid) in EXITED_STATES

@@ -6,28 +6,38 @@ The supervisor loop calls :meth:`HangHandler.check` every monitor interval (a re
 1. logs ``hang_detected`` and gathers this node's evidence (stacks, flight recorder, process states) into a
    scratch directory; that takes up to a second, which doubles as a **confirmation**: if the silent ranks made
    progress meanwhile it was a slow step, not a hang (``hang_cleared``, nothing else happens);
-2. claims the hang for the round, moves the evidence into the hang's directory
+2. gives up (``hang_abandoned``) as soon as a local worker has **exited**: its silence was a failure on its way
+   (a collective that failed when a peer died, then seconds of interpreter teardown), which torch's monitor
+   reports at its next poll as restart reason ``failure``. Nothing is written to the diagnostics directory;
+3. checks that this node still belongs to the run's current round: a node that was stopped and evicted wakes up
+   to silent workers in a round the others have left. Its late report is not a hang of the run (``hang_stale``):
+   it restarts its workers to rejoin, with no diagnosis and no repeat counted;
+4. claims the hang for the round, moves the evidence into the hang's directory
    ``<checkpoint-dir>/<run-id>/diagnostics/<UTC time>-hang/``, reports it, and waits for the agreed summary
-   (``agreement.py``); the owner writes ``summary.json``;
-3. returns a :class:`~elasticd.agent.policy.HangReport` for the policy (restart, or stop after repeated hangs).
+   (``agreement.py``), never for a member whose daemon is gone or frozen (``liveness.py``); the owner writes
+   ``summary.json``;
+5. returns a :class:`~elasticd.agent.policy.HangReport` for the policy (restart, or stop after repeated hangs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.diagnosis import diagnose
-from elasticd.agent.evidence import collect
+from elasticd.agent.evidence import RankEvidence, collect, process_exited, process_state
 from elasticd.agent.policy import HangReport
 from elasticd.agent.watchdog import Suspicion, Watchdog
-from elasticd.board import slot_path
+from elasticd.board import Phase, slot_path
 from elasticd.etcd.client import EtcdError
 from elasticd.metrics import Metrics
 
@@ -36,6 +46,20 @@ DIAGNOSTICS_DIR = "diagnostics"
 # below by the evidence gathering itself and above by CONFIRM_MAX_S): a slow step on a starved machine clears itself.
 CONFIRM_SHARE = 0.5
 CONFIRM_MAX_S = 2.0
+
+
+class Liveness(Protocol):
+    """Who of a round is still there (``liveness.RoundLiveness``)."""
+
+    def lost(self, round_: int, members: Sequence[str]) -> dict[str, str]: ...
+
+    def evicted(self, round_: int) -> str | None: ...
+
+
+class _Confirmation(Enum):
+    CONFIRMED = "confirmed"
+    CLEARED = "cleared"  # the silent ranks made progress: a slow step
+    EXITED = "exited"  # a local worker exited: a failure, not a hang
 
 
 class HangHandler:
@@ -49,9 +73,13 @@ class HangHandler:
         run_dir: Path,
         metrics: Metrics,
         log: Callable[[], Any],
+        liveness: Liveness | None = None,
         clock: Callable[[], float] = time.monotonic,
+        exited: Callable[[int], bool] = process_exited,
     ) -> None:
         self.watchdog = watchdog
+        self._liveness = liveness
+        self._exited = exited
         self._agreement = agreement
         self._node = node_id
         self._board_dir = board_dir
@@ -96,6 +124,7 @@ class HangHandler:
     ) -> HangReport | None:
         log = self._log()
         fired_at = self._clock()
+        step = suspicion.step if suspicion is not None else None
         if suspicion is not None:
             log.warning(
                 "hang_detected",
@@ -104,6 +133,19 @@ class HangHandler:
                 step=suspicion.step,
                 ranks=[ranks.get(r, r) for r in suspicion.local_ranks],
             )
+
+        def exited() -> list[int]:
+            """Global ranks of the local workers that have exited, or are exiting (an uncaught exception)."""
+            slots = self.watchdog.slots()
+            return [
+                ranks.get(r, r)
+                for r, pid in sorted(pids.items())
+                if self._exited(pid) or ((slot := slots.get(r)) is not None and slot.phase is Phase.EXITING)
+            ]
+
+        if gone := exited():
+            self._abandon(log, gone, step)
+            return None
         scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
         evidence = collect(
             node=self._node,
@@ -113,11 +155,25 @@ class HangHandler:
             ranks=ranks,
             can_dump=can_dump,
             started_at=started_at,
+            stop=lambda: bool(exited()),
         )
-        if suspicion is not None and not self._confirmed(suspicion, fired_at, round_):
-            log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
+        outcome = self._confirm(suspicion, fired_at, round_, exited)
+        if outcome is not _Confirmation.CONFIRMED:
             shutil.rmtree(scratch, ignore_errors=True)
+            if outcome is _Confirmation.EXITED:
+                self._abandon(log, exited(), step)
+                return None
+            assert suspicion is not None
+            log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
             return None
+        liveness = self._liveness
+        stale = self._safe(lambda: liveness.evicted(round_), None) if liveness is not None else None
+        if stale is not None:
+            # stopped and evicted: the run went on without us; rejoin, and report nothing that could count
+            shutil.rmtree(scratch, ignore_errors=True)
+            step_now = max((e.entered_step or 0 for e in evidence), default=0)
+            log.warning("hang_stale", reason=stale, step=step_now)
+            return HangReport(step=step_now, attempt=0, path="", culprits=())
         self._metrics.hangs_total.inc()
         candidate = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-hang"
         name, owner = candidate, True
@@ -136,7 +192,14 @@ class HangHandler:
             "detected_by": self._node if owner else None,
             "timeout_s": round(suspicion.allowance_s, 3) if suspicion else None,
         }
-        summary = self._agree(round_, members, evidence, owner=owner, extra=extra)
+        summary = self._agree(round_, members, evidence, owner=owner, extra=extra, exited=exited)
+        if summary is None:
+            # abandoned while agreeing: take back what we wrote, so a failure leaves no hang diagnostics behind
+            shutil.rmtree(path / f"node-{self._node}", ignore_errors=True)
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only when no other node's evidence is in it
+            self._abandon(log, exited(), step)
+            return None
         if owner:
             (path / "summary.json").write_text(json.dumps(summary, indent=2))
         log.warning(
@@ -144,6 +207,7 @@ class HangHandler:
             culprit_ranks=summary["culprit_ranks"],
             culprit_nodes=summary["culprit_nodes"],
             reason=summary["reason"],
+            cause=summary.get("cause", "hang"),
             step=summary["step"],
             attempt=summary["attempt"],
             path=summary.get("path", str(path)),
@@ -155,31 +219,70 @@ class HangHandler:
             culprits=tuple(summary["culprit_ranks"]),
         )
 
-    def _confirmed(self, suspicion: Suspicion, fired_at: float, round_: int) -> bool:
+    def _abandon(self, log: Any, exited: list[int], step: int | None) -> None:
+        """A local worker exited: a failure, which torch's monitor reports at its next poll (restart ``failure``)."""
+        log.info("hang_abandoned", reason="a worker exited: a failure, not a hang", ranks=exited, step=step)
+
+    def _confirm(
+        self, suspicion: Suspicion | None, fired_at: float, round_: int, exited: Callable[[], list[int]]
+    ) -> _Confirmation:
         """Still silent once the confirmation window has passed (or a peer claimed the hang meanwhile)?"""
+        if exited():
+            return _Confirmation.EXITED
+        if suspicion is None:
+            return _Confirmation.CONFIRMED  # a peer's claim: its own confirmation stands
         until = fired_at + min(CONFIRM_MAX_S, CONFIRM_SHARE * suspicion.allowance_s)
         while True:
+            if exited():
+                return _Confirmation.EXITED
             if self.watchdog.check(self._clock()) is None:
-                return False
+                return _Confirmation.CLEARED
             if self._clock() >= until or self._safe(lambda: self.peer_claim(round_), None) is not None:
-                return True
+                return _Confirmation.CONFIRMED
             time.sleep(0.05)
 
     def _agree(
-        self, round_: int, members: list[str], evidence: list[Any], *, owner: bool, extra: dict[str, Any]
-    ) -> dict[str, Any]:
+        self,
+        round_: int,
+        members: list[str],
+        evidence: list[RankEvidence],
+        *,
+        owner: bool,
+        extra: dict[str, Any],
+        exited: Callable[[], list[int]],
+    ) -> dict[str, Any] | None:
         agreement = self._agreement
+        liveness = self._liveness
+        hang = str(extra["hang"])
         if agreement is not None:
             try:
-                agreement.report(round_, evidence)
-                return agreement.decide(round_, members, owner=owner, extra=extra)
+                agreement.report(round_, evidence, hang)
+                summary = agreement.decide(
+                    round_,
+                    members,
+                    owner=owner,
+                    extra=extra,
+                    lost=(lambda: liveness.lost(round_, members)) if liveness is not None else dict,
+                    abort=lambda: bool(exited()),
+                )
+                if summary is None and owner:
+                    agreement.abandon(round_, hang, "a worker exited")
+                elif summary is None:
+                    # tell the owner our workers are gone, so it does not take them for hung
+                    agreement.report(round_, [replace(e, process_state=process_state(e.pid)) for e in evidence], hang)
+                return summary
             except EtcdError as exc:
                 self._log().warning("etcd_unavailable", error=str(exc))
+        if exited():
+            return None
         # no etcd: this node's evidence alone, and repeats counted by this process
         diagnosis = diagnose(evidence)
-        step, attempts = self._local_last
-        self._local_last = (diagnosis.step, attempts + 1 if step == diagnosis.step else 1)
-        return {**diagnosis.to_json(), "nodes_reported": [self._node], "attempt": self._local_last[1], **extra}
+        attempt = 0
+        if diagnosis.counted:
+            step, attempts = self._local_last
+            self._local_last = (diagnosis.step, attempts + 1 if step == diagnosis.step else 1)
+            attempt = self._local_last[1]
+        return {**diagnosis.to_json(), "nodes_reported": [self._node], "attempt": attempt, **extra}
 
     def _safe(self, read: Callable[[], Any], fallback: Any) -> Any:
         try:

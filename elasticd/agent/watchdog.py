@@ -10,6 +10,10 @@ allowance, because a 100 ms step and a 3-minute checkpoint load must not share o
   load and the first step's one-off work), checkpoint saves and loads, the script's own long work between steps
   (``with run.busy():``, an evaluation say) and the final waits: the **start-up allowance** (``--startup-timeout``);
 - ``PARKED`` (the worker waits for us after a checkpoint we asked for): never a hang;
+- ``EXITING`` (an exception escaped the script; the process tears down, which can take seconds): the **exit
+  allowance**, :data:`EXIT_ALLOWANCE_S`. A failure on its way is torch's monitor's to report, not a hang;
+- a worker whose process has exited (a zombie the agent has not reaped yet, or gone): never a hang, whatever its
+  slot says. Its exit is a failure that torch's monitor reports at its next poll (restart reason ``failure``);
 - a worker that has not attached (``elasticd.attach``), or a script that does not use the library: not watched.
 
 Step times come from the workers (checkpoint saves excluded), so a run that checkpoints does not teach the watchdog
@@ -24,6 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from elasticd.agent.evidence import process_exited
 from elasticd.board import Phase, Slot
 
 AUTO_WARMUP_STEPS = 5
@@ -37,6 +42,9 @@ LONGEST_FACTOR = 2.0
 # NCCL heartbeat timeout elasticd sets (docs/architecture.md, "timeout hierarchy").
 AUTO_FLOOR_S = 0.5
 AUTO_CAP_S = 300.0
+# Seconds a worker that is exiting (an uncaught exception) may take to be gone: interpreter teardown and the process
+# group's destructor take 1-3 s on a busy machine. One that is still there after this is stuck in its exit.
+EXIT_ALLOWANCE_S = 30.0
 
 
 # Phases judged by the start-up allowance: one-off work whose length has nothing to do with a step's.
@@ -99,8 +107,10 @@ class Watchdog:
         timeout_s: float | None,
         startup_s: float,
         auto: AutoTimeout | None = None,
+        exited: Callable[[int], bool] = process_exited,
     ) -> None:
         self._read = read
+        self._exited = exited
         self.fixed_s = timeout_s
         self.startup_s = startup_s
         self.auto = auto or AutoTimeout()
@@ -129,13 +139,12 @@ class Watchdog:
         for rank, slot in slots.items():
             self._learn(rank, slot)
             allowance = self._allowance(slot)
-            if allowance is None:
+            if allowance is None or slot is None:
                 continue
-            since = slot.progress_t if slot is not None else self._started_at
-            silent = now - since
-            if slot is not None:
-                entered = max(entered, slot.entered_step)
-            if silent > allowance:
+            silent = now - slot.progress_t
+            entered = max(entered, slot.entered_step)
+            # an exited process is a failure for torch's monitor (asked only of the silent: one read of /proc)
+            if silent > allowance and not self._exited(slot.pid):
                 hung.append((rank, silent, allowance))
         if not hung:
             return None
@@ -164,6 +173,8 @@ class Watchdog:
             return self.startup_s
         if slot.phase is Phase.PARKED:
             return None
+        if slot.phase is Phase.EXITING:
+            return min(EXIT_ALLOWANCE_S, self.startup_s)
         if slot.step_done_t == 0:  # the first step of this process
             return self.startup_s
         timeout = self.timeout_s

@@ -6,6 +6,9 @@ Both are answered without the main thread, which is the one that hangs:
   signal handler straight to a file opened in advance (``<board-dir>/stacks-<local_rank>.txt``), so it works while
   the main thread is blocked inside a collective, holds the GIL in C code, or spins. (torch issue #122694 asks for
   exactly this before a hung rank is killed.)
+- **Exiting**: an exception that escapes the script (a collective that failed because a peer died, say) marks the
+  slot ``EXITING`` before the traceback is printed. The process may then take seconds to finish (interpreter
+  teardown, the process group's destructor); meanwhile its silence is a failure on its way, not a hang.
 - **Flight recorder**: torch records the last ``TORCH_FR_BUFFER_SIZE`` collectives of every process group (gloo and
   NCCL alike in torch ≥ 2.10). A daemon thread of this module watches the board slot's dump-request counter and
   answers with ``_dump_fr_trace_json`` into ``<board-dir>/fr-<local_rank>.json``: a hung rank shows the collective
@@ -19,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import signal
+import sys
 import threading
 from pathlib import Path
+from types import TracebackType
 from typing import IO
 
-from elasticd.board import SlotWriter
+from elasticd.board import Phase, SlotWriter
 
 STACKS_SIGNAL = signal.SIGUSR1
 # Seconds between two looks at the dump-request counter: a memory read, no system call.
@@ -52,6 +57,13 @@ class WorkerDiagnostics:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._answer_requests, name="elasticd-diagnostics", daemon=True)
         self._thread.start()
+        self._previous_hook = sys.excepthook
+        sys.excepthook = self._on_uncaught
+
+    def _on_uncaught(self, kind: type[BaseException], value: BaseException, traceback: TracebackType | None) -> None:
+        with contextlib.suppress(ValueError, OSError):  # a closed map: nothing to tell the daemon any more
+            self._slot.set_phase(Phase.EXITING)
+        self._previous_hook(kind, value, traceback)
 
     def _answer_requests(self) -> None:
         answered = self._slot.dump_request
@@ -64,6 +76,8 @@ class WorkerDiagnostics:
             self._slot.answered_dump(request)
 
     def close(self) -> None:
+        if sys.excepthook == self._on_uncaught:
+            sys.excepthook = self._previous_hook
         self._stop.set()
         self._thread.join(timeout=1)
         with contextlib.suppress(RuntimeError, ValueError):

@@ -8,9 +8,11 @@ diagnostics it wrote.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from elasticd.keys import RunKeys
 from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -237,3 +240,93 @@ def test_long_evaluation_between_steps_is_no_hang_inside_run_busy(etcd, tmp_path
             # the same pause without run.busy() looks exactly like a hang to a watchdog that learned 50 ms steps
             assert node.events("hang_detected") and node.events("hang_diagnosed"), c.diagnostics()
             assert code == 1
+
+
+def _diagnostics(cluster: Cluster) -> list[Path]:
+    root = cluster.checkpoint_dir / cluster.run_id / "diagnostics"
+    return sorted(p for p in root.glob("*-hang")) if root.exists() else []
+
+
+def _restart_reasons(node: Node) -> list[str]:
+    return [e["reason"] for e in node.events("restart")]
+
+
+def test_node_killed_under_auto_timeout_is_a_failure_for_the_survivors_not_a_hang(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    # Issue 10, Why 13: kill -9 of a whole node. The survivors' all-reduce fails and their workers exit, which takes
+    # a second or two of teardown: longer than an auto timeout learned from 50 ms steps. That silence is a failure
+    # on its way (restart reason `failure`), not a hang: no diagnosis, no diagnostics directory.
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="loss-auto",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=train_args(200, 0.05),
+        extra=("--hang-timeout", "auto"),
+    ) as c:
+        a, b, victim = c.start("la-a"), c.start("la-b"), c.start("la-c")
+        c.wait_step(lambda s: s["world_size"] == 3 and s["step"] >= 30, timeout_s=150, what="30 steps at world 3")
+        victim.kill()
+        killed_at = time.time()
+        c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > killed_at, timeout_s=120, what="a step at world 2")
+        for node in (a, b):
+            reasons = _restart_reasons(node)
+            assert reasons and reasons[-1] == "failure", (node.name, reasons, c.diagnostics())
+            assert "hang" not in reasons, (node.name, reasons)
+            assert not node.events("hang_diagnosed"), c.diagnostics()
+            assert [e["lost_node"] for e in node.events("node_lost")] == ["la-c"]
+        assert _diagnostics(c) == [], c.diagnostics()
+        _finished(c, ["la-a", "la-b"], 200)
+
+
+# Long enough for the stopped node to rejoin after SIGCONT before the run ends (~0.07 s a step at world 2).
+STOP_STEPS = 600
+
+
+@pytest.mark.timeout(360)
+def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothing(  # type: ignore[no-untyped-def]
+    etcd, etcd_client, tmp_path: Path
+) -> None:
+    # Issue 10, Why 12: a whole node (daemon and worker) SIGSTOPped for longer than the rendezvous keeps it, then
+    # SIGCONT. The others' workers wait in the all-reduce for it: a hang, whose culprit is the frozen node (its
+    # heartbeat is stale and it sends no evidence), not the nodes that waited. The frozen node wakes up to a run
+    # that went on without it: its late report must not count as a second hang at the same step.
+    stop_s = 25.0
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="stop-node",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=train_args(STOP_STEPS, 0.05),
+        extra=("--hang-timeout", "auto"),
+    ) as c:
+        a, b, victim = c.start("sn-a"), c.start("sn-b"), c.start("sn-c")
+        c.wait_step(lambda s: s["world_size"] == 3 and s["step"] >= 30, timeout_s=150, what="30 steps at world 3")
+        frozen = [psutil.Process(victim.proc.pid), *psutil.Process(victim.proc.pid).children(recursive=True)]
+        for p in frozen:
+            p.send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        try:
+            c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > stopped_at, timeout_s=90, what="world 2")
+            diagnosed = a.wait_event("hang_diagnosed", timeout_s=30)
+            time.sleep(max(0.0, stopped_at + stop_s - time.time()))
+        finally:
+            for p in frozen:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGCONT)
+        summary = _summary(diagnosed)
+        assert summary["culprit_nodes"] == ["sn-c"], summary
+        assert summary["nodes_missing"] == ["sn-c"] and summary["cause"] == "node_lost", summary
+        assert "stopped or dead" in summary["reason"] or "evicted" in summary["reason"], summary["reason"]
+        assert summary["attempt"] == 0 and not summary["counted"]
+        for node in (a, b):
+            assert [d["culprit_nodes"] for d in node.events("hang_diagnosed")] == [["sn-c"]], c.diagnostics()
+
+        _finished(c, ["sn-a", "sn-b", "sn-c"], STOP_STEPS)
+        # the woken node reported nothing that counts: no diagnosis of its own, one diagnostics directory in all,
+        # and no repeat recorded (a lost node never counts toward --hang-attempts)
+        assert not victim.events("hang_diagnosed"), victim.tail()
+        assert _diagnostics(c) == [Path(diagnosed["path"])]
+        assert etcd_client.get(RunKeys("stop-node").hang_last) is None
+        assert all(n.events("rendezvous_done")[-1]["world_size"] == 3 for n in (a, b, victim)), c.diagnostics()

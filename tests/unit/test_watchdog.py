@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.agent.watchdog import AUTO_FLOOR_S, AutoTimeout, Watchdog
+from elasticd.agent.watchdog import AUTO_FLOOR_S, EXIT_ALLOWANCE_S, AutoTimeout, Watchdog
 from elasticd.board import Phase, Slot
 
 TRAINING = Slot(
@@ -142,3 +142,57 @@ def test_run_busy_marks_the_slot_and_restores_training(tmp_path: Path) -> None:
         assert read_slot(path).phase is Phase.BUSY  # type: ignore[union-attr]
     slot = read_slot(path)
     assert slot is not None and slot.phase is Phase.TRAINING
+
+
+def test_exited_worker_is_a_failure_for_torch_never_a_hang() -> None:
+    # Issue 10, Why 13: a worker whose all-reduce failed exits; until the agent reaps it, its slot still says
+    # "training" and its silence grows. A zombie (or a pid that is gone) is never suspected.
+    exited = {7}
+    w = Watchdog(lambda _rank: None, timeout_s=2.0, startup_s=60.0, exited=lambda pid: pid in exited)
+    w.reset((0, 1), started_at=0.0)
+    dead, alive = replace(TRAINING, pid=7), replace(TRAINING, pid=8)
+    assert w.check(105.0, {0: dead}) is None
+    s = w.check(105.0, {0: dead, 1: alive})  # a live silent rank next to it still is
+    assert s is not None and s.local_ranks == (1,)
+
+
+def test_only_silent_ranks_are_asked_whether_they_exited() -> None:
+    asked: list[int] = []
+    w = Watchdog(lambda _rank: None, timeout_s=2.0, startup_s=60.0, exited=lambda pid: asked.append(pid) or False)
+    w.reset((0,), started_at=0.0)
+    assert w.check(101.0, {0: TRAINING}) is None
+    assert asked == []  # one read of /proc per silent rank, not per rank and tick
+
+
+def test_exiting_worker_gets_the_exit_allowance_not_the_hang_timeout() -> None:
+    # an exception escaped the script (the worker library's excepthook marks the slot): teardown takes seconds
+    w = watchdog(timeout_s=0.5, startup_s=600.0)
+    exiting = replace(TRAINING, phase=Phase.EXITING)
+    assert w.check(100.0 + EXIT_ALLOWANCE_S - 1, {0: exiting}) is None
+    assert w.check(100.0 + EXIT_ALLOWANCE_S + 1, {0: exiting}) is not None  # stuck in its exit: watched again
+
+
+def test_uncaught_exception_marks_the_slot_exiting_and_chains_to_the_previous_hook(tmp_path: Path) -> None:
+    import sys
+
+    from elasticd.board import SlotWriter, read_slot, slot_path
+    from elasticd.worker.diagnostics import WorkerDiagnostics
+
+    seen: list[type[BaseException]] = []
+    previous = sys.excepthook
+    sys.excepthook = lambda kind, value, tb: seen.append(kind)
+    try:
+        slot = SlotWriter(slot_path(tmp_path, 0))
+        slot.resumed(3)
+        diagnostics = WorkerDiagnostics(tmp_path, 0, slot)
+        error = RuntimeError("Connection reset by peer")
+        sys.excepthook(RuntimeError, error, None)
+        assert read_slot(slot_path(tmp_path, 0)).phase is Phase.EXITING  # type: ignore[union-attr]
+        assert seen == [RuntimeError]  # the traceback is still printed by whoever printed it before
+        diagnostics.close()
+        assert sys.excepthook is not diagnostics._on_uncaught
+        sys.excepthook(ValueError, ValueError(), None)
+        assert seen == [RuntimeError, ValueError]
+        slot.close()
+    finally:
+        sys.excepthook = previous
