@@ -98,8 +98,9 @@ STARTUP_TIMEOUT_S = 180.0
 RECOVERY_TIMEOUT_S = 120.0
 # Reaching steady state at a size once the job runs (s); generous for a loaded 2-core machine.
 STEADY_TIMEOUT_S = 120.0
-# Before each fault or join, wait up to this long for other jobs on the machine to go quiet (s).
+# Before each fault or join, wait up to this long for other jobs on the machine to go quiet (s); --quiet-timeout.
 QUIET_TIMEOUT_S = 120.0
+_quiet_timeout_s = QUIET_TIMEOUT_S
 # A sample during which other processes used more than this many cores is marked as contended.
 CONTENDED_CORES = 0.25
 # The first torchrun node binds the c10d rendezvous store within this (s).
@@ -469,7 +470,7 @@ class Quiet:
 
 def quiet_moment() -> Quiet:
     """Wait for the machine to be quiet (bounded), then note others' CPU seconds: the event happens next."""
-    cores = wait_for_quiet(QUIET_TIMEOUT_S)
+    cores = wait_for_quiet(_quiet_timeout_s)
     return Quiet(cores, foreign_cpu())
 
 
@@ -688,16 +689,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="where to write every sample and the summary (default: bench/results/recovery-<commit>.json)",
     )
     p.add_argument(
+        "--quiet-timeout",
+        type=float,
+        default=QUIET_TIMEOUT_S,
+        help=f"seconds to wait for other processes to go quiet before each fault or join (default {QUIET_TIMEOUT_S:g})",
+    )
+    p.add_argument(
         "--logs", type=Path, help="keep every node's stdout/stderr here (default: a temp dir, kept on a failure)"
     )
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error("--trials must be at least 1")
+    if not 0 <= args.quiet_timeout <= 3600:
+        p.error("--quiet-timeout must be between 0 and 3600 s")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    global _quiet_timeout_s
+    _quiet_timeout_s = args.quiet_timeout
     systems = [sy for sy in SYSTEMS if sy in args.only] if args.only else list(SYSTEMS)
     scenarios = [Scenario(sc) for sc in args.scenarios] if args.scenarios else None
     workdir = args.logs or Path(tempfile.mkdtemp(prefix="elasticd-bench-recovery-"))
@@ -738,6 +749,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "max_nodes": MAX_NODES,
                 "steady_steps": STEADY_STEPS,
                 "recovery_timeout_s": RECOVERY_TIMEOUT_S,
+                "quiet_timeout_s": args.quiet_timeout,
                 "trials": args.trials,
                 "systems": systems,
                 "torchrun_tuned_rdzv_conf": TUNED_RDZV_CONF,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
 
@@ -90,3 +91,58 @@ def test_owner_that_never_reports_leaves_the_others_to_diagnose_alone(etcd_clien
     summary = b.decide(5, ["a", "b"], owner=False, extra={})
     assert summary["nodes_reported"] == ["b"] and summary["nodes_missing"] == ["a"]
     assert module.SUMMARY_WAIT_S > 0
+
+
+def test_the_owner_never_waits_for_a_lost_node_and_names_it_without_counting_a_repeat(etcd_client: EtcdClient) -> None:
+    keys = RunKeys("lost")
+    sleeps: list[float] = []
+    a = HangAgreement(etcd_client, keys, "a", sleep=sleeps.append)
+    a.claim(4, "h")
+    a.report(4, [EVIDENCE], "h")
+    lost = {"c": "its daemon is stopped or dead (no rendezvous heartbeat for 2.3 s)"}
+    summary = a.decide(4, ["a", "c"], owner=True, extra={"hang": "h"}, lost=lambda: lost)
+    assert sleeps == []  # c will never report: not one poll spent waiting for it
+    assert summary is not None and summary["culprit_nodes"] == ["c"] and summary["cause"] == "node_lost"
+    assert summary["nodes_missing"] == ["c"] and summary["attempt"] == 0
+    assert etcd_client.get(keys.hang_last) is None  # a lost node never counts toward --hang-attempts
+
+
+def test_one_hang_per_round_counts_and_a_late_report_of_an_older_round_never_does(etcd_client: EtcdClient) -> None:
+    keys = RunKeys("late")
+    a, c = HangAgreement(etcd_client, keys, "a"), HangAgreement(etcd_client, keys, "c")
+    a.claim(5, "h5")
+    a.report(5, [EVIDENCE], "h5")
+    assert a.decide(5, ["a"], owner=True, extra={"hang": "h5"})["attempt"] == 1  # type: ignore[index]
+    # a second diagnosis of the same round (a node that diagnosed alone) is the same hang
+    a.report(5, [EVIDENCE], "h5")
+    assert a.decide(5, ["a"], owner=True, extra={"hang": "h5"})["attempt"] == 1  # type: ignore[index]
+    a.claim(6, "h6")
+    a.report(6, [EVIDENCE], "h6")
+    assert a.decide(6, ["a"], owner=True, extra={"hang": "h6"})["attempt"] == 2  # type: ignore[index]
+    # node c was stopped in round 4, evicted, and wakes up: its report of round 4, same step, is not a repeat
+    c.claim(4, "h4")
+    c.report(4, [replace(EVIDENCE, node="c")], "h4")
+    assert c.decide(4, ["c"], owner=True, extra={"hang": "h4"})["attempt"] == 0  # type: ignore[index]
+    last = json.loads(etcd_client.get(keys.hang_last)[0])  # type: ignore[index]
+    assert last["attempts"] == 2 and last["round"] == 6
+
+
+def test_an_abandoned_hang_releases_everyone_and_a_later_one_claims_afresh(etcd_client: EtcdClient) -> None:
+    keys = RunKeys("abandon")
+    a, b = HangAgreement(etcd_client, keys, "a"), HangAgreement(etcd_client, keys, "b")
+    assert a.claim(2, "h1") == ("h1", True)
+    assert b.claimed(2) == "h1"
+    a.abandon(2, "h1", "a worker exited")
+    assert b.claimed(2) is None  # nobody joins a hang that was given up
+    assert b.decide(2, ["a", "b"], owner=False, extra={"hang": "h1"}) is None
+    assert b.claim(2, "h2") == ("h2", True)  # a hang that outlives the abandoned one is a new one
+    assert a.claimed(2) == "h2"
+
+
+def test_a_node_whose_worker_exits_while_it_waits_gives_the_hang_up(etcd_client: EtcdClient) -> None:
+    keys = RunKeys("exits")
+    a = HangAgreement(etcd_client, keys, "a")
+    a.claim(3, "h")
+    a.report(3, [EVIDENCE], "h")
+    assert a.decide(3, ["a", "b"], owner=True, extra={"hang": "h"}, abort=lambda: True) is None
+    assert etcd_client.get(keys.hang_last) is None
