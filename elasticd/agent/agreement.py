@@ -132,6 +132,8 @@ class HangAgreement:
         hang = str(extra.get("hang", ""))
         summary_key = self._key(round_, "summary")
         if not owner:
+            claim = self._client.get(self._key(round_, "claim"))
+            owner_node = str(json.loads(claim[0]).get("node", "")) if claim is not None else ""
             deadline = self._clock() + SUMMARY_WAIT_S
             while self._clock() < deadline:
                 found = self._client.get(summary_key)
@@ -140,6 +142,8 @@ class HangAgreement:
                     return None if summary.get("abandoned") else summary
                 if abort():
                     return None
+                if owner_node in lost():
+                    break  # the owner's daemon is gone: it will never summarise; diagnose from the reports
                 self._sleep(_POLL_S)
         deadline = self._clock() + REPORT_WAIT_S
         while True:

@@ -134,13 +134,23 @@ class HangHandler:
                 ranks=[ranks.get(r, r) for r in suspicion.local_ranks],
             )
 
+        # a worker still exiting after its exit allowance is stuck in its exit: that one is a hang after all
+        overdue = {
+            r
+            for r, slot in self.watchdog.slots().items()
+            if slot is not None
+            and slot.phase is Phase.EXITING
+            and fired_at - slot.progress_t > (self.watchdog.allowance(slot) or 0.0)
+        }
+
         def exited() -> list[int]:
             """Global ranks of the local workers that have exited, or are exiting (an uncaught exception)."""
             slots = self.watchdog.slots()
             return [
                 ranks.get(r, r)
                 for r, pid in sorted(pids.items())
-                if self._exited(pid) or ((slot := slots.get(r)) is not None and slot.phase is Phase.EXITING)
+                if self._exited(pid)
+                or (r not in overdue and (slot := slots.get(r)) is not None and slot.phase is Phase.EXITING)
             ]
 
         if gone := exited():

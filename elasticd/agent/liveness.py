@@ -29,9 +29,10 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 
 from elasticd.etcd.client import EtcdError
 
-# A daemon writes a rendezvous heartbeat every interval; one this many intervals old (2 s at elasticd's 1 s) means
-# it is stopped or dead. Below torch's eviction (3 intervals), so the diagnosis knows before the rendezvous acts.
-STALE_INTERVALS = 2.0
+# A daemon writes a rendezvous heartbeat every interval; one this many intervals old (2.5 s at elasticd's 1 s) means
+# it is stopped or dead: a live daemon's timer thread would have to miss two ticks in a row. Below torch's eviction
+# (3 intervals), so the diagnosis knows before the rendezvous acts.
+STALE_INTERVALS = 2.5
 # Seconds a reading is reused: the owner of a hang asks every 50 ms while it waits for reports.
 CACHE_S = 0.25
 

@@ -138,7 +138,7 @@ class Watchdog:
         entered = 0
         for rank, slot in slots.items():
             self._learn(rank, slot)
-            allowance = self._allowance(slot)
+            allowance = self.allowance(slot)
             if allowance is None or slot is None:
                 continue
             silent = now - slot.progress_t
@@ -164,7 +164,8 @@ class Watchdog:
         if previous is not None and slot.completed_step > previous:
             self.auto.observe(slot.step_s)
 
-    def _allowance(self, slot: Slot | None) -> float | None:
+    def allowance(self, slot: Slot | None) -> float | None:
+        """Seconds of silence allowed to a worker in ``slot``'s phase; None: not watched."""
         if slot is None:
             # Not attached (yet): a script without the worker library never reports progress, so silence means
             # nothing. Hangs before attach (in the process group's creation) are left to torch's init timeout.

@@ -146,3 +146,15 @@ def test_a_node_whose_worker_exits_while_it_waits_gives_the_hang_up(etcd_client:
     a.report(3, [EVIDENCE], "h")
     assert a.decide(3, ["a", "b"], owner=True, extra={"hang": "h"}, abort=lambda: True) is None
     assert etcd_client.get(keys.hang_last) is None
+
+
+def test_a_node_stops_waiting_for_the_summary_of_an_owner_whose_daemon_is_gone(etcd_client: EtcdClient) -> None:
+    keys = RunKeys("owner-gone")
+    sleeps: list[float] = []
+    a, b = HangAgreement(etcd_client, keys, "a"), HangAgreement(etcd_client, keys, "b", sleep=sleeps.append)
+    a.claim(7, "h")
+    b.report(7, [replace(EVIDENCE, node="b")], "h")
+    gone = {"a": "its daemon is gone (its registry record expired)"}
+    summary = b.decide(7, ["a", "b"], owner=False, extra={"hang": "h"}, lost=lambda: gone)
+    assert sleeps == [] and summary is not None
+    assert summary["culprit_nodes"] == ["a"] and summary["cause"] == "node_lost"

@@ -4,6 +4,7 @@ anything is written, and a node left behind by its round reports nothing that co
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,7 @@ def test_a_worker_whose_script_raised_is_exiting_and_gives_the_hang_up_too(tmp_p
     hangs = handler(tmp_path, events, exited=set())
     slot = SlotWriter(slot_path(tmp_path / "board", 0), pid=os.getpid())
     slot.set_phase(Phase.EXITING)  # the worker library's excepthook did this: teardown takes seconds
-    assert handle(hangs, os.getpid()) is None
+    assert handle(hangs, os.getpid()) is None  # the watchdog fired on it a moment before the exception
     assert events.names() == ["hang_detected", "hang_abandoned"]
     assert not (tmp_path / "run").exists()
     slot.close()
@@ -86,3 +87,18 @@ def test_a_node_left_behind_by_its_round_restarts_with_nothing_counted_or_writte
     assert report is not None and report.attempt == 0 and report.path == ""
     assert events.names() == ["hang_stale"] and "round 5" in events.seen[0][1]["reason"]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_worker_stuck_in_its_exit_beyond_the_exit_allowance_is_a_hang_after_all(tmp_path: Path) -> None:
+    events = Events()
+    hangs = handler(tmp_path, events, exited=set())
+    hangs.watchdog.startup_s = 0.01  # the exit allowance is capped by it: overdue at once
+    slot = SlotWriter(slot_path(tmp_path / "board", 0), pid=os.getpid())
+    slot.set_phase(Phase.EXITING)
+    time.sleep(0.05)
+    suspicion = hangs.check()
+    assert suspicion is not None
+    report = handle(hangs, os.getpid(), suspicion)
+    assert report is not None and "hang_abandoned" not in events.names()
+    assert "hang_diagnosed" in events.names() and report.path
+    slot.close()
