@@ -277,6 +277,12 @@ class ElasticdAgent(LocalElasticAgent):
                 self._check_stragglers(now)
                 next_straggler_poll = now + _STRAGGLER_POLL_S
             hang = self._on_hang(worker_group, suspicion) if suspicion is not None or peer_hang else None
+            if hang is not None and hang.attempt == 0:
+                # not a counted hang (a lost node, an evicted one): a worker that exited meanwhile is a failure
+                again = self._monitor_workers(worker_group)
+                if _group_state(again.state) is GroupState.FAILED:
+                    result, state, hang = again, GroupState.FAILED, None
+                    worker_group.state = again.state
             waiting = self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY else 0
             fatal = self.reports.fatal
             decision = self._policy.decide(
