@@ -1,4 +1,4 @@
-"""A daemon that dies while a round forms, on cue (a testing aid, documented in docs/testing.md; never in production).
+"""A daemon that dies while a round forms, on cue (a testing aid, like ``worker/faults.py``; never in production).
 
 ``ELASTICD_FAULT_DIE_AFTER_RDZV`` holds ``PHASE[@key=value,...]``; the daemon SIGKILLs itself (and its workers, if
 any run) at that point of a round it takes part in::

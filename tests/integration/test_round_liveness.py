@@ -11,9 +11,11 @@ import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
 
 from elasticd import envvars
@@ -90,23 +92,38 @@ def test_rank0_dying_before_it_publishes_the_store_address_ends_the_wait_in_seco
     print(json.dumps({"before_publish_abandoned_s": [round(e.waited_s, 2) for e in results[1:]]}))
 
 
+def _assign_worker_ranks(info: RendezvousInfo) -> Any:
+    """torch's own rank assignment, as the agent runs it right after the rendezvous."""
+    spec = SimpleNamespace(role="default", local_world_size=1)
+    return SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank, info.world_size, spec)  # type: ignore[arg-type]
+
+
 def test_rank0_dying_after_it_published_ends_the_rank_assignment_wait(handlers: list[Any]) -> None:
     doomed, survivors = handlers[0], handlers[1:]
     infos = _all([h.next_rendezvous for h in handlers])
     assert [i.rank for i in infos] == [0, 1, 2]
     doomed._stop_heartbeats()  # dies right after publishing, before assigning worker ranks
 
-    def wait_for_ranks(info: RendezvousInfo) -> bytes:
-        # what torch's _assign_worker_ranks does on a non-zero rank: publish its role, wait for rank 0's answer
-        info.store.set(f"torchelastic/role_info/{info.rank}", b"x")
-        return info.store.get(f"torchelastic/assigned_ranks/{info.rank}")
-
-    errors = _all([lambda i=info: wait_for_ranks(i) for info in infos[1:]])
+    errors = _all([lambda i=info: _assign_worker_ranks(i) for info in infos[1:]])
     for error in errors:
         assert isinstance(error, RoundAbandonedError), error
         assert error.phase == "rank_assignment" and error.lost == (doomed.member,)
         assert error.waited_s < NOTICED_WITHIN_S
     _reform(survivors)
+
+
+def test_any_member_dying_before_it_wrote_its_part_ends_everyone_elses_wait(handlers: list[Any]) -> None:
+    doomed = handlers[2]  # not rank 0: rank 0 publishes the store address, then waits for the dead one's role
+    doomed._get_store = lambda: _die(doomed)  # decided into the round as rank 2, then dead
+    infos = _all([h.next_rendezvous for h in handlers])
+    assert [i.rank for i in infos[:2]] == [0, 1] and isinstance(infos[2], _Died)
+    errors = _all([lambda i=info: _assign_worker_ranks(i) for info in infos[:2]])
+    for error in errors:
+        assert isinstance(error, RoundAbandonedError), error
+        assert error.phase == "rank_assignment" and error.waited_s < NOTICED_WITHIN_S
+    # rank 0 names the dead member; rank 1 either does too or sees rank 0 give the round up first
+    assert errors[0].lost == (doomed.member,)
+    assert doomed.member in errors[1].lost or handlers[0].member in errors[1].left + errors[1].lost
 
 
 def test_a_member_lost_after_the_round_formed_counts_as_waiting_until_the_workers_formed(
