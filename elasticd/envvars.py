@@ -29,6 +29,8 @@ ROUND = "ELASTICD_ROUND"
 FENCE_TOKEN = "ELASTICD_FENCE_TOKEN"
 # Test-only fault injection (documented as a testing aid in docs/testing.md).
 FAULT = "ELASTICD_FAULT"
+# Test-only: the daemon SIGKILLs itself at a point of a forming round (elasticd/rendezvous/faults.py).
+FAULT_DIE_AFTER_RDZV = "ELASTICD_FAULT_DIE_AFTER_RDZV"
 
 # torch reads this inside DynamicRendezvousHandler.next_rendezvous: "1" makes every round pick a fresh worker
 # store address instead of reusing round 1's, whose host may be gone (pytorch issue #135712).

@@ -57,8 +57,3 @@ class GaveUpError(ElasticdError):
     """The run stopped for good: restarts exhausted, or a policy decided to stop."""
 
     exit_code = EXIT_GAVE_UP
-
-
-class RoundAbandoned(ElasticdError):
-    """A round that formed cannot start training (its token could not be written, a member died before it
-    started): its members leave it and form the next one. Never a failure of the run."""

@@ -30,19 +30,22 @@ from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.spares import Sizing
 from elasticd.agent.stragglers import StragglerDetector
-from elasticd.errors import RoundAbandoned
 from elasticd.etcd.client import EtcdError
 from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
 from elasticd.metrics import Metrics
+from elasticd.rendezvous import faults as rdzv_faults
+from elasticd.rendezvous.handler import ElasticdRendezvousHandler
+from elasticd.rendezvous.liveness import RoundAbandonedError
 
 T = TypeVar("T")
 
 _NODE_KEY = "elasticd/node/"
 # The round's fencing token, published by its rank-0 agent in the round's store ("" when it could not be written).
 _TOKEN_KEY = "elasticd/token"
-# Seconds to wait for every agent of a fresh round to publish its node id; a peer that dies in between makes the
-# round fail anyway, so this only bounds how long we wait to notice.
+# Seconds to wait for every agent of a fresh round to publish its node id. A peer that dies in between is noticed
+# within seconds (the round's store waits are bounded by its members' keep-alive: RoundAbandonedError); this only
+# bounds a member that is alive but never writes.
 _MEMBERSHIP_TIMEOUT_S = 60
 # Seconds between reads of the run's drain request; each read is one etcd get.
 _CONTROL_POLL_S = 1.0
@@ -112,22 +115,27 @@ class ElasticdAgent(LocalElasticAgent):
     # -- torch hooks ---------------------------------------------------------------------------------------------
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self.graceful = False  # nothing to checkpoint while we wait for a round: a signal ends the daemon
+        handler = worker_group.spec.rdzv_handler
+        self._registry.update(state="rendezvous", rdzv_member=getattr(handler, "member", None))
+        start = self._clock()
         while True:
             try:
-                self._rendezvous_once(worker_group)
-                return
-            except RoundAbandoned as exc:
-                self._log.warning("round_abandoned", reason=str(exc))
-
-    def _rendezvous_once(self, worker_group: WorkerGroup) -> None:
-        self.graceful = False  # nothing to checkpoint while we wait for a round: a signal ends the daemon
-        self._registry.update(state="rendezvous")
-        start = self._clock()
-        super()._rendezvous(worker_group)
+                super()._rendezvous(worker_group)
+                self.round = getattr(handler, "round", None)
+                members = self._exchange_node_ids(worker_group)
+                self.token = self._agree_token(worker_group)
+                break
+            except RoundAbandonedError as exc:
+                # A member died (or left) before the round could start training: form the next one, as after
+                # any membership change. Not a failure, and not one of --max-restarts.
+                self._round_abandoned(exc)
+        if isinstance(handler, ElasticdRendezvousHandler):
+            handler.end_round_watch()
+            # Until the workers have formed their process group, a member lost from this round is a membership
+            # change (workers would wait for a dead rank 0's store for torch's 30 min connect timeout).
+            handler.watch_members(self.reports.all_capable, on_lost=self._round_member_lost)
         duration_s = self._clock() - start
-        handler = worker_group.spec.rdzv_handler
-        self.round = getattr(handler, "round", None)
-        members = self._exchange_node_ids(worker_group)
         previous, self._members = self._members, members
         world_size = (worker_group.group_world_size or 0) * worker_group.spec.local_world_size
         self._log = get_logger(run_id=self._run_id, node_id=self._node_id, round=self.round)
@@ -144,7 +152,6 @@ class ElasticdAgent(LocalElasticAgent):
                 self._log.warning("node_lost", lost_node=lost)
             for joined in sorted(set(members) - set(previous)):
                 self._log.info("node_joined", joined_node=joined)
-        self.token = self._agree_token(worker_group)
         hangs = self.hangs
         if worker_group.group_rank == 0 and self.round is not None and hangs is not None:
             self._poll(lambda: hangs.forget_rounds_before(self.round or 0), None)
@@ -158,6 +165,30 @@ class ElasticdAgent(LocalElasticAgent):
             nodes=len(members),
             world_size=world_size,
             workers=worker_group.spec.local_world_size,
+        )
+
+    def _round_abandoned(self, exc: RoundAbandonedError) -> None:
+        records: list[dict[str, Any]] = self._poll(self._read_peers, []) if exc.lost else []
+        # A killed daemon's registry record outlives it by its lease TTL (10 s): it still names the lost member.
+        lost_nodes = sorted(str(r.get("node_id")) for r in records if r.get("rdzv_member") in exc.lost)
+        self._log.warning(
+            "round_abandoned",
+            abandoned_round=exc.round,
+            reason=exc.reason,
+            phase=exc.phase,
+            lost_members=list(exc.lost),
+            lost_nodes=lost_nodes,
+            left_members=list(exc.left),
+            waited_s=round(exc.waited_s, 3),
+        )
+        self._registry.update(state="rendezvous")
+
+    def _round_member_lost(self, lost: dict[str, int], left: dict[str, int]) -> None:
+        def named(ranks: dict[str, int]) -> list[str]:
+            return sorted(self._members[rank] for rank in ranks.values() if 0 <= rank < len(self._members))
+
+        self._log.warning(
+            "round_member_lost", lost_members=sorted(lost), lost_nodes=named(lost), left_nodes=named(left)
         )
 
     def _exchange_node_ids(self, worker_group: WorkerGroup) -> list[str]:
@@ -175,7 +206,7 @@ class ElasticdAgent(LocalElasticAgent):
     def _agree_token(self, worker_group: WorkerGroup) -> str | None:
         """The new group's fencing token: written by the round's rank 0 (a checked etcd transaction, bounded
         retries) and passed to the others through the round's store. A round whose token could not be written
-        starts no workers (they could never commit): :class:`RoundAbandoned`, and the nodes form another."""
+        starts no workers (they could never commit): it is abandoned, and the nodes form another."""
         if self._lineage is None:
             return None
         store = worker_group.store
@@ -196,7 +227,7 @@ class ElasticdAgent(LocalElasticAgent):
             finally:
                 store.set_timeout(old_timeout)
         if not token:
-            raise RoundAbandoned(f"round {self.round}: no fencing token could be written")
+            raise RoundAbandonedError(self.round or 0, "no fencing token could be written")
         self._log.info("lineage_token", token=token)
         return token
 
@@ -241,6 +272,9 @@ class ElasticdAgent(LocalElasticAgent):
             self._pcontext = None  # a spare this round: nothing to start, stop or watch
             return {}
         pids = super()._start_workers(worker_group)
+        rdzv_faults.maybe_die(
+            "started", rank=worker_group.group_rank or 0, round_=self.round, pids=pids.values(), log=self._log.warning
+        )
         self._log.info("workers_started", pids=sorted(pids.values()), local_world_size=len(pids))
         self._registry.update(state="running")
         return pids

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
     RendezvousHandlerCreator,
@@ -31,7 +33,9 @@ from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys, validate_run_id
+from elasticd.rendezvous import faults
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.liveness import RoundView, RoundWatch
 from elasticd.rendezvous.store import EtcdV3Store
 
 BACKEND_NAME = "etcd-v3"
@@ -57,9 +61,17 @@ CONNECT_TIMEOUT_S = 10
 
 
 class ElasticdRendezvousHandler(DynamicRendezvousHandler):
-    """torch's dynamic rendezvous with a fresh worker store every round, plus what the daemon reports."""
+    """torch's dynamic rendezvous with a fresh worker store every round, plus what the daemon reports.
+
+    Every wait on the round's store while the round forms (the worker store address, rank assignment, node ids)
+    is bounded by the liveness of the round's members: see :mod:`elasticd.rendezvous.liveness`.
+    """
 
     _completed_round: int | None = None
+    _round_watch: RoundWatch | None = None
+    _round_store: EtcdV3Store | None = None
+    _formed: Callable[[], bool] | None = None
+    _on_lost: Callable[[dict[str, int], dict[str, int]], None] | None = None
 
     @property
     def use_agent_store(self) -> bool:
@@ -71,9 +83,77 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
         # torch reads this inside next_rendezvous. Sharing round 1's TCPStore with the workers breaks recovery
         # when the node hosting it dies: every later round points at the dead host (pytorch issue #135712).
         os.environ[envvars.TORCH_DISABLE_SHARED_STORE] = "1"
-        info = super().next_rendezvous()
+        self.end_round_watch()
+        info = super().next_rendezvous()  # publishing the store address waits through _get_store's bounded store
         self._completed_round = self._state_holder.state.round
+        faults.maybe_die("published", rank=info.rank, round_=self._completed_round)
         return info
+
+    def _get_store(self) -> dist.Store:
+        """torch's hook between deciding the round and publishing the store address: the round's store, whose
+        waits end as soon as a member of this round is gone (``RoundAbandonedError``)."""
+        state = self._state_holder.state
+        rank = state.participants[self._this_node]
+        faults.maybe_die("joined", rank=rank, round_=state.round)
+        if not isinstance(self._store, EtcdV3Store):
+            return super()._get_store()
+        watch = RoundWatch(state.round, {str(node): r for node, r in state.participants.items()}, self._round_view)
+        self._round_watch = watch
+        # Referenced here for the round's lifetime: torch's PrefixStore holds only the C++ half of a Python store.
+        self._round_store = self._store.bounded_by(watch)
+        return self._wrap_store(self._round_store)
+
+    def end_round_watch(self) -> None:
+        """The round formed (or is being left): its store waits are over."""
+        if self._round_watch is not None:
+            self._round_watch.end()
+
+    def watch_members(
+        self, formed: Callable[[], bool], on_lost: Callable[[dict[str, int], dict[str, int]], None] | None = None
+    ) -> None:
+        """Until ``formed()`` (the workers built their process group), count a member lost from this round as a
+        node waiting in :meth:`num_nodes_waiting`, so the agent re-rendezvouses at once (a membership change).
+
+        Workers of a round whose rank-0 node died before its worker opened the worker store would otherwise wait
+        out torch's 30 min connect timeout; once the group has formed, a lost member fails the workers' collectives
+        (torch's monitor sees it) or stalls them (the hang watchdog sees it). ``on_lost`` hears the members that
+        are gone, as two maps to their group ranks (lost: dead; left: queued for the next round), once per round."""
+        self._formed, self._on_lost = formed, on_lost
+
+    def num_nodes_waiting(self) -> int:
+        """See base class; plus, while the round's workers are still forming, the members it lost."""
+        waiting = super().num_nodes_waiting()
+        formed, watch = self._formed, self._round_watch
+        if formed is None or watch is None or watch.round != self._completed_round or formed():
+            return waiting
+        view = self._round_view()  # the state super() just synced (cached for a second)
+        if view is None:
+            return waiting
+        if view.round != watch.round:
+            # Every other member left our round (we were dropped from it): all of them count.
+            view = RoundView(watch.round, frozenset({self.member}), frozenset(watch.members))
+        lost, left = watch.gone(view)
+        if (lost or left) and self._on_lost is not None:
+            on_lost, self._on_lost = self._on_lost, None
+            on_lost({m: watch.ranks.get(m, -1) for m in lost}, {m: watch.ranks.get(m, -1) for m in left})
+        return waiting + len(lost) + len(left)
+
+    @property
+    def member(self) -> str:
+        """This node as the rendezvous state names it (``addr_pid_localid``); lost members are named this way."""
+        return str(self._this_node)
+
+    def _round_view(self) -> RoundView | None:
+        try:
+            with self._heartbeat_lock:
+                self._state_holder.sync()  # also drops members whose keep-alive expired
+                state = self._state_holder.state
+                waiting = state.wait_list | state.redundancy_list
+                return RoundView(
+                    state.round, frozenset(str(n) for n in state.participants), frozenset(str(n) for n in waiting)
+                )
+        except RendezvousError:
+            return None  # etcd away: the store wait itself reports a lasting outage
 
     @property
     def round(self) -> int | None:

@@ -4,7 +4,9 @@ This module owns the store torch's rendezvous hands to the agent (torch wraps it
 round). Values are stored as bytes; counters (``add``) as decimal strings like c10d's stores. Blocking reads
 wait on an etcd watch that starts right after the revision of the failed read, so no write is missed and
 nothing polls. A timeout raises ``torch.distributed.DistStoreError`` (what ``TCPStore`` raises) naming the
-missing keys; an etcd failure raises ``torch.distributed.DistNetworkError``.
+missing keys; an etcd failure raises ``torch.distributed.DistNetworkError``. A view made by :meth:`bounded_by`
+also stops waiting as soon as its :class:`~elasticd.rendezvous.liveness.RoundWatch` says the round lost a member
+(``RoundAbandonedError``), so no wait outlives the member that has to write the key.
 
 C++ callers (``PrefixStore``) can reach every method here except ``delete_key`` and ``num_keys``: torch's
 pybind trampoline does not forward those two to Python, so call them on this object directly.
@@ -20,6 +22,7 @@ from typing import ParamSpec, TypeVar, cast
 import torch.distributed as dist
 
 from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.rendezvous.liveness import RoundAbandonedError, RoundWatch
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -38,8 +41,18 @@ class EtcdV3Store(dist.Store):
             raise ValueError("the store needs a non-empty key prefix")
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
+        self._watch: RoundWatch | None = None
         if timeout is not None:
             self.set_timeout(timeout)
+
+    def bounded_by(self, watch: RoundWatch) -> EtcdV3Store:
+        """The same store (client, prefix, timeout) whose waits end when ``watch`` says the round is lost.
+
+        Keep the returned object referenced while a ``PrefixStore`` wraps it: the wrapper holds only its C++ half.
+        """
+        view = EtcdV3Store(self._client, self._prefix, self._timeout())
+        view._watch = watch
+        return view
 
     @property
     def prefix(self) -> str:
@@ -141,13 +154,24 @@ class EtcdV3Store(dist.Store):
             if not missing:
                 break
             remaining = _NO_TIMEOUT_SLICE_S if no_deadline else deadline - time.monotonic()
+            watch = self._watch if self._watch is not None and self._watch.active else None
             if remaining <= 0:
+                if watch is not None:
+                    raise watch.timed_out(full[f] for f in missing)
                 raise dist.DistStoreError(
                     f"wait timeout after {int(timeout.total_seconds() * 1000)}ms, "
                     f"keys: {', '.join(full[f] for f in missing)}"
                 )
+            if watch is not None:
+                # Short slices: between two, ask whether the member that has to write is still there.
+                remaining = min(remaining, watch.interval_s)
             watched = missing[0] if len(missing) == 1 else _common_prefix(missing)
             self._etcd(self._client.wait_for_change, watched, revision + 1, remaining, prefix=len(missing) > 1)
+            if watch is not None:
+                try:
+                    watch.check()
+                except RoundAbandonedError as exc:
+                    raise exc.with_keys(full[f] for f in missing) from None
         return {full[f]: v for f, v in found.items()}
 
     def _etcd(self, call: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:

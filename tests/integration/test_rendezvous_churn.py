@@ -1,0 +1,122 @@
+"""A node that dies while a new round forms costs seconds, never the run (issue 10, Why 11).
+
+Real daemons, real etcd, real gloo workers on 127.0.0.1. Each cycle arms the node that will be rank 0 of the next
+round (the rendezvous ranks nodes by address, then daemon pid: the oldest live daemon), then starts a new node,
+which makes the group re-rendezvous. The armed node SIGKILLs itself at a chosen point of forming that round
+(``ELASTICD_FAULT_DIE_AFTER_RDZV``): before it publishes the worker store address, right after publishing it, or
+right after starting its workers. The survivors must give up that round within seconds, form the next one with the
+new node, and train on; the run ends with exit 0 and no traceback anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from elasticd import envvars
+from elasticd.cli import main
+from tests.integration.cluster import Cluster, Node, leftover_processes, train_args, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+# The point of the forming round at which each successive victim dies, and the phase its peers were waiting in
+# (None: they had started their workers, which wait for the dead rank 0's worker store).
+PHASES = [("joined", "store_address"), ("published", "rank_assignment"), ("started", None), ("joined", "store_address")]
+# Generous bound for one abandoned round (a dead member is noticed after its 3 s keep-alive expiry + a 1 s look);
+# the store timeout the survivors waited out before was 300 s.
+ABANDON_BOUND_S = 20.0
+
+
+def _when(event: dict) -> float:  # type: ignore[type-arg]
+    return datetime.fromisoformat(event["timestamp"]).timestamp()
+
+
+def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="rdzvchurn",
+        min_nodes=2,
+        max_nodes=4,
+        script_args=train_args(5000, 0.05),
+    ) as c:
+        names = iter(f"rc-{i}" for i in range(20))
+        phase_of_node: dict[str, str] = {}
+
+        def start() -> Node:
+            name = next(names)
+            phase = PHASES[len(phase_of_node) % len(PHASES)][0]
+            phase_of_node[name] = phase
+            c.env[envvars.FAULT_DIE_AFTER_RDZV] = f"{phase}@rank=0,armed={tmp_path / ('arm-' + name)}"
+            return c.start(name)
+
+        alive = [start().name for _ in range(3)]
+        c.wait_step(lambda s: s["world_size"] == 3, timeout_s=120, what="3 workers")
+        figures = []
+        for cycle in range(len(PHASES)):
+            # The next round's rank 0 is the live daemon with the lowest pid (all nodes share one address).
+            victim = min(alive, key=lambda n: c.nodes[n].proc.pid)
+            phase = phase_of_node[victim]
+            expected_phase = next(p for f, p in PHASES if f == phase)
+            (tmp_path / f"arm-{victim}").touch()
+            joiner = start().name
+            survivors = [n for n in alive if n != victim]
+            died = c.nodes[victim].wait_event("fault_injected", timeout_s=120)
+            assert died["phase"] == phase and died["group_rank"] == 0
+            assert c.nodes[victim].wait(30) != 0
+            killed_at = _when(died)
+            (tmp_path / f"arm-{victim}").unlink()
+            alive = [*survivors, joiner]
+            # The survivors and the new node form the next round and train at 3 again.
+            first = c.wait_step(
+                lambda s, t=killed_at: s["t"] > t and s["world_size"] == 3, timeout_s=120, what="3 workers again"
+            )
+            formed_at = []
+            for name in alive:
+                done = c.nodes[name].wait_event("rendezvous_done", where=lambda e, t=killed_at: _when(e) > t)
+                assert victim not in done["members"] and joiner in done["members"], c.diagnostics()
+                formed_at.append(_when(done))
+            abandoned = [e for n in alive for e in c.nodes[n].events("round_abandoned") if _when(e) > killed_at - 1]
+            if expected_phase is not None:
+                # Everyone who was in the doomed round gave it up, naming the dead node and what it waited for.
+                assert abandoned, c.diagnostics()
+                for e in abandoned:
+                    assert e["phase"] == expected_phase and e["waited_s"] < ABANDON_BOUND_S, e
+                    # The dead node is named, unless a survivor gave the round up first (it left, nobody died).
+                    assert e["reason"] in ("member_lost", "member_left"), e
+                    assert set(e["lost_nodes"]) <= {victim, *alive}, e
+                assert any(victim in e["lost_nodes"] for e in abandoned), abandoned
+            else:
+                # The round had formed and workers were starting: each survivor sees the member gone and
+                # re-rendezvouses at once, as for a membership change (no restart of --max-restarts spent).
+                abandoned = [
+                    e for n in alive for e in c.nodes[n].events("round_member_lost") if _when(e) > killed_at - 1
+                ]
+                assert {n for n in survivors if any(e["node_id"] == n for e in abandoned)} == set(survivors), (
+                    c.diagnostics()
+                )
+                assert all(victim in e["lost_nodes"] and set(e["lost_nodes"]) <= {victim, *alive} for e in abandoned)
+            figures.append(
+                {
+                    "cycle": cycle,
+                    "phase": phase,
+                    "noticed_s": [round(_when(e) - killed_at, 2) for e in abandoned],
+                    "waited_s": [e.get("waited_s") for e in abandoned],
+                    "kill_to_round_s": round(max(formed_at) - killed_at, 2),
+                    "kill_to_step_s": round(first["t"] - killed_at, 2),
+                }
+            )
+        print("\nROUND-CHURN FIGURES", json.dumps(figures))
+        # Nothing above spent one of --max-restarts, and nobody gave up.
+        for name in alive:
+            assert all(e["reason"] == "membership" for e in c.nodes[name].events("restart")), c.nodes[name].tail()
+        assert main(["stop", "--etcd", etcd.endpoint, "--run-id", "rdzvchurn"]) == 0
+        for name in alive:
+            assert c.nodes[name].wait(120) == 0, c.diagnostics()
+        wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "no process of the run left")
+        for node in c.nodes.values():
+            assert not node.events("gave_up"), node.tail()
+            assert "Traceback" not in node.err.read_text(errors="replace"), node.tail(200)
