@@ -24,7 +24,7 @@ from typing import Any
 
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.diagnosis import diagnose
-from elasticd.agent.evidence import collect
+from elasticd.agent.evidence import RankEvidence, collect
 from elasticd.agent.policy import HangReport
 from elasticd.agent.watchdog import Suspicion, Watchdog
 from elasticd.board import slot_path
@@ -104,19 +104,25 @@ class HangHandler:
                 step=suspicion.step,
                 ranks=[ranks.get(r, r) for r in suspicion.local_ranks],
             )
-        scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
-        evidence = collect(
-            node=self._node,
-            board_dir=self._board_dir,
-            out_dir=scratch,
-            pids=pids,
-            ranks=ranks,
-            can_dump=can_dump,
-            started_at=started_at,
-        )
+        scratch: Path | None = None
+        evidence: list[RankEvidence] = []
+        try:
+            scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
+            evidence = collect(
+                node=self._node,
+                board_dir=self._board_dir,
+                out_dir=scratch,
+                pids=pids,
+                ranks=ranks,
+                can_dump=can_dump,
+                started_at=started_at,
+            )
+        except OSError as exc:  # the runtime dir's disk is full: diagnose from the other nodes' evidence
+            self._write_failed(exc, scratch or self._board_dir)
         if suspicion is not None and not self._confirmed(suspicion, fired_at, round_):
             log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             return None
         self._metrics.hangs_total.inc()
         candidate = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-hang"
@@ -124,12 +130,8 @@ class HangHandler:
         if self._agreement is not None:
             name, owner = self._safe(lambda: self._agreement.claim(round_, candidate), (candidate, True))  # type: ignore[union-attr]
         path = self._run_dir / DIAGNOSTICS_DIR / name
-        path.mkdir(parents=True, exist_ok=True)
-        for item in scratch.iterdir():
-            shutil.rmtree(path / item.name, ignore_errors=True)
-            shutil.move(str(item), path / item.name)
-        shutil.rmtree(scratch, ignore_errors=True)
-        log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
+        if self._write_down(scratch, path):
+            log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
         extra = {
             "path": str(path),
             "hang": name,
@@ -138,7 +140,10 @@ class HangHandler:
         }
         summary = self._agree(round_, members, evidence, owner=owner, extra=extra)
         if owner:
-            (path / "summary.json").write_text(json.dumps(summary, indent=2))
+            try:
+                (path / "summary.json").write_text(json.dumps(summary, indent=2))
+            except OSError as exc:
+                self._write_failed(exc, path / "summary.json")
         log.warning(
             "hang_diagnosed",
             culprit_ranks=summary["culprit_ranks"],
@@ -154,6 +159,35 @@ class HangHandler:
             path=str(summary.get("path", path)),
             culprits=tuple(summary["culprit_ranks"]),
         )
+
+    def _write_down(self, scratch: Path | None, path: Path) -> bool:
+        """Move the evidence from ``scratch`` into the hang's directory ``path``; False (and an event) when the disk
+        refuses it. What could not be written is removed, so a full disk gets nothing back from a hang."""
+        moved: list[Path] = []
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            for item in scratch.iterdir() if scratch is not None else ():
+                shutil.rmtree(path / item.name, ignore_errors=True)
+                moved.append(path / item.name)
+                shutil.move(str(item), path / item.name)
+        except OSError as exc:  # shutil.Error too: a full or read-only checkpoint disk must never end the daemon
+            for target in moved:
+                shutil.rmtree(target, ignore_errors=True)
+            self._write_failed(exc, path)
+            return False
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        return True
+
+    def _write_failed(self, exc: OSError, path: Path) -> None:
+        """Diagnostics are a help, never a condition: a failed write is an event and the hang is handled anyway."""
+        failure = str(exc)
+        errors = exc.args[0] if isinstance(exc, shutil.Error) and exc.args else None
+        if isinstance(errors, list) and errors and isinstance(errors[0], tuple):
+            # copytree's list of (src, dst, why) per file: the first one says it ("[Errno 28] No space left ...")
+            failure = f"{errors[0][-1]} ({len(errors)} files)"
+        self._log().warning("diagnostics_write_failed", path=str(path), error=f"{type(exc).__name__}: {failure}")
 
     def _confirmed(self, suspicion: Suspicion, fired_at: float, round_: int) -> bool:
         """Still silent once the confirmation window has passed (or a peer claimed the hang meanwhile)?"""
