@@ -144,35 +144,46 @@ def test_unwritable_checkpoint_dir_at_start_is_one_line_and_exit_2(etcd, tmp_pat
         assert ("EROFS" if fault == "read-only" else "ENOSPC") in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("saves", ["async", "blocking"])
-def test_checkpoint_dir_turning_read_only_mid_run_gives_events_not_restarts(etcd, tmp_path: Path, saves: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("fault", "saves"),
+    # read-only: the partial dir cannot be made (rank 0 fails before any write); full, with blocking saves: the
+    # files cannot be written, and the ranks agree on the failure through the collectives that were barriers
+    [("read-only", "async"), ("full", "blocking")],
+)
+def test_checkpoint_dir_failing_mid_run_gives_events_not_restarts(etcd, tmp_path: Path, fault: str, saves: str) -> None:  # type: ignore[no-untyped-def]
+    code = "EROFS" if fault == "read-only" else "ENOSPC"
     with (
         mounts.tmpfs(tmp_path / "checkpoints", 2048) as disk,
         Cluster(
             etcd.endpoint,
             tmp_path,
-            run_id="rofs",
+            run_id="midrun",
             nproc_per_node=2,
             script_args=train_args(100, 0.05),
-            # blocking saves agree on the outcome through collectives: a failure on one rank must not strand the other
             env={"ELASTICD_ASYNC_CHECKPOINTS": "1" if saves == "async" else "0"},
         ) as c,
     ):
-        run_dir = disk / "rofs"
-        node = c.start("ro-a")
+        run_dir = disk / "midrun"
+        node = c.start("mr-a")
         wait_until(lambda: 10 in committed(run_dir), 90, "the first commit")
-        mounts.remount(disk, "ro")
+        if fault == "read-only":
+            mounts.remount(disk, "ro")
+        else:
+            mounts.fill(disk)
         try:
 
-            def erofs() -> list[int]:
-                return sorted({e["step"] for e in daemon_events(node, "checkpoint_failed") if e["errno"] == "EROFS"})
+            def failed_steps() -> list[int]:
+                return sorted({e["step"] for e in daemon_events(node, "checkpoint_failed") if e["errno"] == code})
 
-            failed = wait_until(lambda: len(erofs()) >= 2 and erofs(), 90, "two saves failing with EROFS")
+            failed = wait_until(lambda: len(failed_steps()) >= 2 and failed_steps(), 90, f"two saves failing: {code}")
             c.wait_step(lambda s: s["step"] > failed[1] + 2, 60, "training past the failed saves")
             assert not daemon_events(node, "restart"), c.diagnostics()
             assert not daemon_events(node, "worker_failed"), c.diagnostics()
         finally:
-            mounts.remount(disk, "rw")
+            if fault == "read-only":
+                mounts.remount(disk, "rw")
+            else:
+                mounts.free(disk)
         wait_until(lambda: [s for s in committed(run_dir) if s > failed[-1]], 60, "a commit once writable again")
         assert node.wait(150) == 0, c.diagnostics()
         assert c.last_step()["step"] == 100  # type: ignore[index]
