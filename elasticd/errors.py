@@ -6,6 +6,8 @@ message on one line and exits 2, never a traceback. Everything else is a fault t
 
 from __future__ import annotations
 
+import errno
+
 EXIT_OK = 0
 EXIT_GAVE_UP = 1
 EXIT_USAGE = 2
@@ -51,6 +53,19 @@ class EtcdBinaryMissingError(UsageError):
 
 class NodeIdInUseError(UsageError):
     """Another live daemon of the same run holds this node id."""
+
+
+class CheckpointDirError(UsageError):
+    """The run's checkpoint directory cannot be created or written (read-only mount, full disk, no permission)."""
+
+    def __init__(self, directory: object, exc: OSError) -> None:
+        name = errno.errorcode.get(exc.errno, str(exc.errno)) if exc.errno is not None else type(exc).__name__
+        failed = str(exc.filename or directory)
+        # a parent that could not be created is named; a probe file inside the directory is not worth a word
+        where = "" if failed.startswith(str(directory)) else f" at {failed}"
+        super().__init__(f"checkpoint directory {directory} is not writable: {name} ({exc.strerror or exc}){where}")
+        self.directory = directory
+        self.os_error = exc
 
 
 class GaveUpError(ElasticdError):

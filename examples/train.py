@@ -86,7 +86,8 @@ def main() -> None:
             optimizer.zero_grad()
         if record is not None:
             ids = batch["id"][batch["valid"]].tolist()
-            line = {"step": run.state.step + 1, "round": run.settings.round, "rank": run.rank, "ids": ids}
+            attempt = {"round": run.settings.round, "rollbacks": run.state.rollbacks}  # a step may be tried again
+            line = {"step": run.state.step + 1, **attempt, "rank": run.rank, "ids": ids}
             print(json.dumps(line), file=record, flush=True)
         run.step(loss)  # beat, NaN guard, periodic or requested checkpoint
         if accelerator.sync_gradients:

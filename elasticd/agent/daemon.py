@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
-from elasticd import __version__, envvars
+from elasticd import __version__, envvars, rundir
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
@@ -52,6 +52,8 @@ def run_daemon(cfg: StartConfig) -> int:
     """Run this node's part of the job until it finishes, drains or gives up; returns the exit code."""
     configure_logging(cfg.log_format)
     log = get_logger(run_id=cfg.run_id, node_id=cfg.node_id)
+    # before anything starts: a directory no save can be written to is a usage error (exit 2), not a crash loop
+    rundir.prepare(cfg.checkpoint_dir.resolve() / cfg.run_id)
     with ExitStack() as stack:
         metrics = Metrics.create(
             version=__version__, node=cfg.node_id, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes

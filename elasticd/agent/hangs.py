@@ -156,20 +156,26 @@ class HangHandler:
         if gone := exited():
             self._abandon(log, gone, step)
             return None
-        scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
-        evidence = collect(
-            node=self._node,
-            board_dir=self._board_dir,
-            out_dir=scratch,
-            pids=pids,
-            ranks=ranks,
-            can_dump=can_dump,
-            started_at=started_at,
-            stop=lambda: bool(exited()),
-        )
+        scratch: Path | None = None
+        evidence: list[RankEvidence] = []
+        try:
+            scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
+            evidence = collect(
+                node=self._node,
+                board_dir=self._board_dir,
+                out_dir=scratch,
+                pids=pids,
+                ranks=ranks,
+                can_dump=can_dump,
+                started_at=started_at,
+                stop=lambda: bool(exited()),
+            )
+        except OSError as exc:  # the runtime dir's disk is full: diagnose from the other nodes' evidence
+            self._write_failed(exc, scratch or self._board_dir)
         outcome = self._confirm(suspicion, fired_at, round_, exited)
         if outcome is not _Confirmation.CONFIRMED:
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             if outcome is _Confirmation.EXITED:
                 self._abandon(log, exited(), step)
                 return None
@@ -180,7 +186,8 @@ class HangHandler:
         stale = self._safe(lambda: liveness.evicted(round_), None) if liveness is not None else None
         if stale is not None:
             # stopped and evicted: the run went on without us; rejoin, and report nothing that could count
-            shutil.rmtree(scratch, ignore_errors=True)
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
             step_now = max((e.entered_step or 0 for e in evidence), default=0)
             log.warning("hang_stale", reason=stale, step=step_now)
             return HangReport(step=step_now, attempt=0, path="", culprits=())
@@ -190,12 +197,8 @@ class HangHandler:
         if self._agreement is not None:
             name, owner = self._safe(lambda: self._agreement.claim(round_, candidate), (candidate, True))  # type: ignore[union-attr]
         path = self._run_dir / DIAGNOSTICS_DIR / name
-        path.mkdir(parents=True, exist_ok=True)
-        for item in scratch.iterdir():
-            shutil.rmtree(path / item.name, ignore_errors=True)
-            shutil.move(str(item), path / item.name)
-        shutil.rmtree(scratch, ignore_errors=True)
-        log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
+        if self._write_down(scratch, path):
+            log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
         extra = {
             "path": str(path),
             "hang": name,
@@ -211,7 +214,10 @@ class HangHandler:
             self._abandon(log, exited(), step)
             return None
         if owner:
-            (path / "summary.json").write_text(json.dumps(summary, indent=2))
+            try:
+                (path / "summary.json").write_text(json.dumps(summary, indent=2))
+            except OSError as exc:
+                self._write_failed(exc, path / "summary.json")
         log.warning(
             "hang_diagnosed",
             culprit_ranks=summary["culprit_ranks"],
@@ -232,6 +238,35 @@ class HangHandler:
     def _abandon(self, log: Any, exited: list[int], step: int | None) -> None:
         """A local worker exited: a failure, which torch's monitor reports at its next poll (restart ``failure``)."""
         log.info("hang_abandoned", reason="a worker exited: a failure, not a hang", ranks=exited, step=step)
+
+    def _write_down(self, scratch: Path | None, path: Path) -> bool:
+        """Move the evidence from ``scratch`` into the hang's directory ``path``; False (and an event) when the disk
+        refuses it. What could not be written is removed, so a full disk gets nothing back from a hang."""
+        moved: list[Path] = []
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            for item in scratch.iterdir() if scratch is not None else ():
+                shutil.rmtree(path / item.name, ignore_errors=True)
+                moved.append(path / item.name)
+                shutil.move(str(item), path / item.name)
+        except OSError as exc:  # shutil.Error too: a full or read-only checkpoint disk must never end the daemon
+            for target in moved:
+                shutil.rmtree(target, ignore_errors=True)
+            self._write_failed(exc, path)
+            return False
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        return True
+
+    def _write_failed(self, exc: OSError, path: Path) -> None:
+        """Diagnostics are a help, never a condition: a failed write is an event and the hang is handled anyway."""
+        failure = str(exc)
+        errors = exc.args[0] if isinstance(exc, shutil.Error) and exc.args else None
+        if isinstance(errors, list) and errors and isinstance(errors[0], tuple):
+            # copytree's list of (src, dst, why) per file: the first one says it ("[Errno 28] No space left ...")
+            failure = f"{errors[0][-1]} ({len(errors)} files)"
+        self._log().warning("diagnostics_write_failed", path=str(path), error=f"{type(exc).__name__}: {failure}")
 
     def _confirm(
         self, suspicion: Suspicion | None, fired_at: float, round_: int, exited: Callable[[], list[int]]

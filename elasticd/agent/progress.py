@@ -47,6 +47,7 @@ class ProgressTracker:
         # productive time counts each step once: steps redone after a restart (below the high-water mark) are lost
         self._high_water = 0
         self._beat_step = 0  # local rank 0's step at its previous beat (or its resume)
+        self._failed_step: int | None = None  # the last save reported failed: counted once, whichever ranks report
 
     def fault(self) -> None:
         """A restart begins: the recovery clock starts, and the last step reached is remembered."""
@@ -81,11 +82,28 @@ class ProgressTracker:
                 if isinstance(beat.get(key), int | float):
                     m.checkpoint_duration_seconds.labels(phase=phase).observe(beat[key])
         elif kind == "checkpoint_failed":
-            m.checkpoint_failures_total.labels(reason="error").inc()
-            self._log().warning("checkpoint_failed", step=beat.get("step"), error=beat.get("error"))
+            self._checkpoint_failed(beat)
         elif kind == "checkpoint_fenced":
             m.checkpoint_failures_total.labels(reason="fenced").inc()
             self._log().warning("checkpoint_fenced", step=beat.get("step"))
+
+    def _checkpoint_failed(self, beat: dict[str, Any]) -> None:
+        """A worker's save failed: the daemon's event log says which rank, why (the OS error: errno, path) and that
+        training goes on; the failure counts once per save, however many local ranks report it."""
+        step = beat.get("step")
+        self._log().warning(
+            "checkpoint_failed",
+            rank=beat.get("rank"),
+            step=step,
+            error=beat.get("error"),
+            errno=beat.get("errno"),
+            path=beat.get("path"),
+            os_error=beat.get("os_error"),
+        )
+        with self._lock:
+            first, self._failed_step = step != self._failed_step, step if isinstance(step, int) else None
+        if first:
+            self._metrics.checkpoint_failures_total.labels(reason="error").inc()
 
     def _on_step(self, beat: dict[str, Any]) -> None:
         m = self._metrics

@@ -4,6 +4,8 @@
 
     nan@step=40,rank=1            the loss of rank 1 at step 40 becomes NaN (once)
     nan@step=40-                  every rank, every step from 40 on (persistent NaN)
+    nan@samples=17+203+411,epoch=1  every micro-batch that holds sample 17, 203 or 411 (dataset indices) becomes NaN,
+                                  in epoch 1 only (without epoch=: in every epoch): bad data, wherever it lands
     kill@step=30,rank=0           rank 0 kills itself with SIGKILL when step 30 completes
     kill@checkpoint=20,rank=0     rank 0 kills itself while writing the checkpoint of step 20
     freeze@commit=20,rank=0       rank 0 stops its daemon and itself (SIGSTOP) with the checkpoint of step 20 durable,
@@ -24,6 +26,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elasticd import envvars
@@ -39,6 +42,8 @@ class Fault:
     round: int | None = None
     restart: int | None = None
     seconds: float = 0.0
+    samples: frozenset[int] = frozenset()  # dataset indices (nan@samples=): the fault follows the data, not the step
+    epoch: int | None = None
     extra: dict[str, str] = field(default_factory=dict)
 
     def covers(self, step: int) -> bool:
@@ -55,6 +60,8 @@ class FaultInjector:
     def __init__(self, faults: list[Fault], rank: int) -> None:
         self.rank = rank
         self.faults = faults
+        # checked for every micro-batch, so a run without them pays one truth test
+        self.poisons_samples = any(f.kind == "nan" and f.samples for f in faults)
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
@@ -74,7 +81,12 @@ class FaultInjector:
         return [f for f in self.faults if f.kind == kind]
 
     def nan_at(self, step: int) -> bool:
-        return any(f.covers(step) for f in self._of("nan"))
+        return any(f.covers(step) for f in self._of("nan") if not f.samples)
+
+    def nan_samples(self, epoch: int, indices: Iterable[int]) -> bool:
+        """True when a micro-batch of ``epoch`` holding these (real, not padding) dataset indices is to be poisoned."""
+        poisoned = [f.samples for f in self._of("nan") if f.samples and f.epoch in (None, epoch)]
+        return bool(poisoned) and any(i in s for i in indices for s in poisoned)
 
     def before_step(self, step: int) -> None:
         """Called before the micro-batches of ``step``: hangs and stragglers."""
@@ -125,6 +137,8 @@ def parse_faults(text: str) -> list[Fault]:
                 round=int(values.pop("round")) if "round" in values else None,
                 restart=int(values.pop("restart")) if "restart" in values else None,
                 seconds=float(values.pop("seconds", "0")),
+                samples=frozenset(int(i) for i in values.pop("samples", "").split("+") if i),
+                epoch=int(values.pop("epoch")) if "epoch" in values else None,
                 extra=values,
             )
         )

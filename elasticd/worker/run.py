@@ -46,7 +46,7 @@ from elasticd.worker.faults import FaultInjector
 from elasticd.worker.fence import EtcdFence
 from elasticd.worker.guard import NonFiniteGuard, Verdict
 from elasticd.worker.sampler import ElasticSampler, StepSlice, micro_batch_loader
-from elasticd.worker.saver import CheckpointSaver
+from elasticd.worker.saver import FAILED, CheckpointFailedError, CheckpointSaver
 from elasticd.worker.settings import WorkerSettings
 from elasticd.worker.state import TrainingState
 
@@ -288,7 +288,7 @@ class Run:
                     self._slice = slices.popleft()
                     self.faults.before_step(self.state.step + 1)
                     self.slot.enter(self.state.step + 1)
-                if self.faults.nan_at(self.state.step + 1):
+                if self._poisoned(index % accumulation):
                     batch = _poison(batch)
                 batch = _to_device(batch, self.accelerator.device)
                 self._own_s += time.perf_counter() - started
@@ -300,6 +300,16 @@ class Run:
                 self.slot.set_phase(Phase.DONE)
                 self.saver.wait(everyone=True)
                 return
+
+    def _poisoned(self, micro_index: int) -> bool:
+        """Fault injection: is this micro-batch to become NaN (by step, or because it holds a poisoned sample)?"""
+        if self.faults.nan_at(self.state.step + 1):
+            return True
+        if self._slice is None or not self.faults.poisons_samples:
+            return False
+        micro = self._slice.micro_batches[micro_index]
+        real = [i for i, valid in zip(micro.indices, micro.valid, strict=True) if valid]
+        return self.faults.nan_samples(self._slice.epoch, real)
 
     def step(self, loss: Any = None) -> None:
         """Account for one micro-batch; after the last of an optimizer step, everything an optimizer step implies."""
@@ -415,12 +425,15 @@ class Run:
             "round": self.settings.round,
         }
         self.slot.set_phase(Phase.CHECKPOINT)
-        committed = self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
+        try:
+            committed = self.saver.save(self.state.step, meta, asynchronous=self.settings.asynchronous and not planned)
+        except CheckpointFailedError:
+            committed = False  # reported as checkpoint_failed; training goes on, the next save tries again
         self.slot.set_phase(Phase.TRAINING)
         self.coordinator.checkpointed()
         if planned:
-            # the daemon waits for this before a planned change; a refused commit means the steps since the last
-            # committed checkpoint will be redone, and it says so
+            # the daemon waits for this before a planned change; a refused or failed commit means the steps since
+            # the last committed checkpoint will be redone, and it says so
             self.beats.send("checkpoint_saved", step=self.state.step, requested=True, committed=bool(committed))
 
     def _park(self) -> None:
@@ -440,8 +453,17 @@ class Run:
         if event == "checkpoint_sealed":
             self.faults.before_commit(int(fields["step"]))
             return
-        if event in ("checkpoint_fenced", "checkpoint_failed"):
+        if event == "checkpoint_fenced":
             self.log.warning(event, **fields)
+        if event == FAILED:
+            self.log.warning(
+                "checkpoint_failed",
+                step=fields.get("step"),
+                error=fields.get("error"),
+                errno=fields.get("errno"),
+                path=fields.get("path"),
+                os_error=fields.get("os_error"),
+            )
         self.beats.send(event, **fields)
 
     def _bad_checkpoint(self, checkpoint: Checkpoint, reason: str) -> None:

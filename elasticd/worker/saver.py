@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import IterableDatasetShard
 from accelerate.utils import RNG_STATE_NAME, DistributedType, broadcast_object_list
 
+from elasticd import rundir
 from elasticd.lineage import CheckpointRecord
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
 
@@ -49,6 +51,17 @@ _MARKER_POLL_S = 0.05
 _RNG_DEVICES = ("cuda", "xpu", "mlu", "sdaa", "musa", "hpu", "neuron")
 # Written by each rank's writer when its files are complete; rank 0 commits once it sees all of them.
 _MARKER = ".rank-{}.done"
+# The error of a rank that failed only because another rank's write did (the one with the OS error reports that).
+PEER_FAILED = "another rank's write of this checkpoint failed"
+
+
+class CheckpointFailedError(Exception):
+    """A save failed on some rank and was abandoned everywhere; its partial directory is removed."""
+
+    def __init__(self, step: int, error: str) -> None:
+        super().__init__(f"checkpoint of step {step} failed: {error}")
+        self.step = step
+        self.error = error
 
 
 class _HostCopy:
@@ -131,8 +144,15 @@ class CheckpointSaver:
     ``fence(record)`` is asked on rank 0 once the files and the manifest are durable (from the writer thread for an
     asynchronous save): the commit point. False refuses it: the writer's directory is removed and
     ``checkpoint_fenced`` reported. ``on_event(name, fields)`` receives
-    ``checkpoint_committed`` (rank 0: step, blocking_s, total_s, path, asynchronous), ``checkpoint_failed`` (any
-    rank: step, error) and ``checkpoint_fenced`` (rank 0: step), possibly from the writer thread.
+    ``checkpoint_committed`` (rank 0: step, blocking_s, total_s, path, asynchronous), ``checkpoint_failed`` (the
+    rank whose write failed, and rank 0: step, error, errno, path, os_error) and ``checkpoint_fenced`` (rank 0:
+    step), possibly from the writer thread.
+
+    A failed save never stops training: its directory is removed at once (the space is given back), every rank
+    abandons it, and the next save starts afresh; only a directory the fence may already have recorded is kept (the
+    next loader rolls it forward, or the next group removes it). The OS error is named even where torch hides it (a
+    full disk surfaces from ``torch.save`` as a ``RuntimeError`` without errno; :func:`elasticd.rundir.os_error_of`
+    probes).
     """
 
     def __init__(
@@ -154,23 +174,31 @@ class CheckpointSaver:
         self._commit_timeout_s = commit_timeout_s
         self._writer: threading.Thread | None = None
         self._host = _HostCopy()
+        # partial dirs of failed saves that could not be removed then (read-only, or a rank still writing into it)
+        self._leftovers: set[Path] = set()
+        # the step whose record the fence was asked for: from then on a failure keeps the dir (it may be recorded)
+        self._sealed: int | None = None
 
     def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> bool | None:
         """Save the state as of now as ``step``, with ``meta`` in the manifest; call on every rank at the same step.
 
         Blocking: returns once the checkpoint is committed (True) or the fence refused it (False), the same answer on
-        every rank; a failure is reported and raised. Asynchronous: first waits for the previous background write,
-        then returns None once the state is copied to host memory; the write and commit follow in the background and
-        a failure there is only reported. Under FSDP, DeepSpeed, Megatron-LM or XLA an asynchronous save is done
-        blocking."""
+        every rank; a failure on any rank is reported and raises :class:`CheckpointFailedError` on every rank.
+        Asynchronous: first waits for the previous background write, then returns None once the state is copied to
+        host memory; the write and commit follow in the background and a failure there is only reported. Under FSDP,
+        DeepSpeed, Megatron-LM or XLA an asynchronous save is done blocking."""
         self.wait()
+        self._sweep_leftovers(step)
+        self._sealed = None
         start = time.monotonic()
         try:
             if asynchronous and self._acc.distributed_type not in _NO_SNAPSHOT:
                 self._start_write(step, meta, start)
                 return None
             return self._save_blocking(step, meta, start)
-        except Exception as exc:
+        except CheckpointFailedError:
+            raise  # reported, and every rank raises it together
+        except Exception as exc:  # outside the writes (the host snapshot, a collective): this rank cannot go on
             self._emit(FAILED, step=step, error=repr(exc))
             raise
 
@@ -198,28 +226,40 @@ class CheckpointSaver:
 
     def _save_blocking(self, step: int, meta: dict[str, Any], start: float) -> bool:
         acc = self._acc
-        if acc.is_main_process:
-            self._store.begin(step)
-        acc.wait_for_everyone()  # nobody writes before rank 0 has made the empty partial dir
-        acc.save_state(str(self._store.partial_path(step)))
-        self._emit(WRITTEN, step=step)
-        acc.wait_for_everyone()  # save_state has no final barrier: here every rank's files are complete
-        outcome = [False]
-        try:
-            if acc.is_main_process:
-                outcome[0] = self._commit(step, meta, start, None)
-        finally:
-            # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how
-            outcome = broadcast_object_list(outcome, from_process=0)
-        return bool(outcome[0])
+        failure = _attempt(self._store.begin, step) if acc.is_main_process else None
+        # Nobody writes before rank 0 has made the empty partial dir; if it could not, nobody writes at all (save_state
+        # would create the dir itself). Each barrier is an agreement, so every rank leaves a failed save together.
+        if self._everyone_ok(failure is None):
+            failure = _attempt(acc.save_state, str(self._store.partial_path(step)))
+            if failure is None:
+                self._emit(WRITTEN, step=step)
+            # save_state has no final barrier: here every rank's files are complete, or some rank's write failed
+            if self._everyone_ok(failure is None):
+                # committed; the error that stopped the commit; whether the fence was asked (the dir is then kept)
+                outcome: list[Any] = [False, None, False]
+                if acc.is_main_process:
+                    try:
+                        outcome = [self._commit(step, meta, start, None), None, False]
+                    except Exception as exc:
+                        failure, outcome = exc, [False, repr(exc), self._sealed == step]
+                # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how
+                committed, error, sealed = broadcast_object_list(outcome, from_process=0)
+                if error is None:
+                    return bool(committed)
+                if sealed:
+                    self._sealed = step
+        error = self._failed(step, failure)
+        raise CheckpointFailedError(step, error)
 
     def _start_write(self, step: int, meta: dict[str, Any], start: float) -> None:
         acc = self._acc
         partial = self._store.partial_path(step)
-        if acc.is_main_process:
-            self._store.begin(step)
+        failure = _attempt(self._store.begin, step) if acc.is_main_process else None
         state, custom, rng = self._snapshot()
-        acc.wait_for_everyone()  # the one collective of an async save: rank 0's fresh dir exists before any write
+        # the one collective of an async save: rank 0's fresh dir exists before any write, or nobody writes
+        if not self._everyone_ok(failure is None):
+            self._failed(step, failure)
+            return
         for hook in acc._save_model_state_pre_hook.values():  # as save_state does; a hook may edit the weights
             hook(acc._models, state["model_states"], str(partial))
         acc.project_configuration.iteration += 1
@@ -264,12 +304,16 @@ class CheckpointSaver:
                 self._await_markers(partial, acc.num_processes)
                 self._commit(step, meta, start, blocking_s)
         except Exception as exc:  # a thread has no caller to raise to: the failure is an event
-            self._emit(FAILED, step=step, error=repr(exc))
+            # the dir vanished under this write: a rank whose own write failed removed it (torch then says only
+            # "Parent directory ... does not exist"); that rank reports the cause
+            self._failed(step, exc if partial.is_dir() else _PeerFailedError(PEER_FAILED))
 
     def _await_markers(self, partial: Path, world_size: int) -> None:
         markers = [partial / _MARKER.format(rank) for rank in range(world_size)]
         deadline = time.monotonic() + self._commit_timeout_s
         while missing := [m.name for m in markers if not m.exists()]:
+            if not partial.is_dir():  # a rank whose write failed removed it: no marker is coming
+                raise _PeerFailedError(PEER_FAILED)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not written within {self._commit_timeout_s:g} s: {', '.join(missing)}")
             time.sleep(_MARKER_POLL_S)
@@ -300,6 +344,58 @@ class CheckpointSaver:
         )
         return True
 
+    def _everyone_ok(self, ok: bool) -> bool:
+        """A collective on every rank: True when ``ok`` on every rank (a barrier that also carries one bit)."""
+        acc = self._acc
+        if acc.num_processes == 1:
+            return ok
+        failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=acc.device)
+        return int(acc.reduce(failed, reduction="sum").item()) == 0
+
+    def _failed(self, step: int, failure: BaseException | None) -> str:
+        """Abandon the save of ``step`` on this rank: remove its partial dir and report why; the error text.
+
+        The rank whose own write failed reports its error; the other ranks stay quiet, except rank 0 (the one that
+        would have committed), which reports a peer's failure. Removing the dir is also how a failed rank tells
+        rank 0's writer, waiting for its marker, not to wait."""
+        partial = self._store.partial_path(step)
+        peer = failure is None or isinstance(failure, _PeerFailedError)
+        fields: dict[str, Any] = {}
+        if not peer:
+            assert failure is not None
+            os_error = rundir.os_error_of(failure, partial)
+            fields = rundir.describe(os_error) if os_error is not None else {}
+        if self._sealed != step:  # past the seal the fence may have recorded it: the loader rolls it forward
+            shutil.rmtree(partial, ignore_errors=True)
+            if partial.exists():
+                self._leftovers.add(partial)
+        error = PEER_FAILED if peer else repr(failure)
+        if not peer or self._acc.is_main_process:
+            self._emit(FAILED, step=step, error=error, **fields)
+        return error
+
+    def _sweep_leftovers(self, step: int) -> None:
+        """Try again to remove what failed saves left; never the dir of ``step``, which rank 0 may be making now."""
+        for path in list(self._leftovers - {self._store.partial_path(step)}):
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                self._leftovers.discard(path)
+
     def _emit(self, name: str, **fields: Any) -> None:
+        if name == SEALED:
+            self._sealed = int(fields["step"])
         if self._on_event is not None:
             self._on_event(name, fields)
+
+
+class _PeerFailedError(Exception):
+    """Rank 0's writer found the partial dir removed by a rank whose own write failed."""
+
+
+def _attempt(action: Callable[..., Any], *args: Any) -> Exception | None:
+    """Run one step of a save; the exception it raised, if any (each rank then agrees on the outcome)."""
+    try:
+        action(*args)
+    except Exception as exc:
+        return exc
+    return None

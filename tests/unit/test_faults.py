@@ -1,0 +1,27 @@
+"""elasticd/worker/faults.py: sample-id NaN faults follow the data, step faults the step number."""
+
+from __future__ import annotations
+
+from elasticd.worker.faults import FaultInjector, parse_faults
+
+
+def test_nan_samples_parse_into_indices_and_an_epoch() -> None:
+    (fault,) = parse_faults("nan@samples=17+203+411,epoch=1")
+    assert fault.kind == "nan" and fault.samples == frozenset({17, 203, 411}) and fault.epoch == 1
+    assert fault.extra == {}
+
+
+def test_a_sample_fault_poisons_only_micro_batches_holding_those_samples_in_its_epoch() -> None:
+    faults = FaultInjector(parse_faults("nan@samples=17+203,epoch=1"), rank=0)
+    assert faults.poisons_samples
+    assert faults.nan_samples(1, [4, 17, 9])
+    assert not faults.nan_samples(1, [4, 5, 9])
+    assert not faults.nan_samples(2, [17])  # the same sample in another epoch is clean
+    assert not any(faults.nan_at(step) for step in range(1, 100))  # never by step number
+
+
+def test_without_an_epoch_the_samples_are_bad_in_every_epoch_and_step_faults_are_unchanged() -> None:
+    faults = FaultInjector(parse_faults("nan@samples=5;nan@step=40"), rank=0)
+    assert faults.nan_samples(0, [5]) and faults.nan_samples(7, [5])
+    assert faults.nan_at(40) and not faults.nan_at(41)
+    assert not FaultInjector(parse_faults("nan@step=40-"), rank=0).poisons_samples
