@@ -25,6 +25,10 @@ MAX_NODES = "ELASTICD_MAX_NODES"
 BOARD = "ELASTICD_BOARD"
 # The rendezvous round the workers were started in; a checkpoint writer from an older round is fenced off.
 ROUND = "ELASTICD_ROUND"
+# The daemon's pid. The worker launcher (elasticd/worker/launch.py) checks it is still its parent after asking the
+# kernel for a death signal, and the reaper (elasticd/agent/reaper.py) kills every process that carries it once that
+# daemon is gone: it marks everything a daemon started, down to the workers' own children.
+DAEMON_PID = "ELASTICD_DAEMON_PID"
 # Test-only fault injection (documented as a testing aid in docs/testing.md).
 FAULT = "ELASTICD_FAULT"
 

@@ -25,6 +25,7 @@ from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.policy import SupervisorPolicy
+from elasticd.agent.reaper import Reaper
 from elasticd.agent.registry import NodeRegistry, read_nodes
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.agent.supervisor import ElasticdAgent
@@ -41,6 +42,7 @@ from elasticd.logging import configure_logging, get_logger
 from elasticd.metrics import Metrics, MetricsServer
 from elasticd.rendezvous.handler import ElasticdRendezvousHandler, create_handler
 from elasticd.rendezvous.reset import clear_finished_run
+from elasticd.worker.launch import worker_args
 
 
 def run_daemon(cfg: StartConfig) -> int:
@@ -48,6 +50,10 @@ def run_daemon(cfg: StartConfig) -> int:
     configure_logging(cfg.log_format)
     log = get_logger(run_id=cfg.run_id, node_id=cfg.node_id)
     with ExitStack() as stack:
+        # First in, last out: everything started below carries this pid, and the reaper kills what is left of it
+        # once the daemon is gone, whether it exits or is killed (elasticd/agent/reaper.py).
+        os.environ[envvars.DAEMON_PID] = str(os.getpid())
+        stack.enter_context(Reaper.start(os.getpid(), cfg.log_format))
         metrics = Metrics.create(
             version=__version__, node=cfg.node_id, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes
         )
@@ -98,7 +104,8 @@ def run_daemon(cfg: StartConfig) -> int:
             role="default",
             local_world_size=cfg.nproc_per_node,
             entrypoint=sys.executable,
-            args=("-u", str(cfg.script), *cfg.script_args),
+            # through the launcher, so that each worker dies with this daemon (elasticd/worker/launch.py)
+            args=worker_args(str(cfg.script), cfg.script_args),
             rdzv_handler=handler,
             max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval_s,
