@@ -166,7 +166,9 @@ def test_daemon_killed_alone_its_workers_and_their_children_die_and_the_others_g
         c.wait_step(lambda s: s["step"] >= 15 and s["world_size"] == 3, what="step 15 on 3 workers")
         victim = c.nodes["orph-c"]
         workers = list(victim.wait_event("workers_started")["pids"])
-        children = [e["pid"] for e in read_json_lines(victim.out) if e.get("event") == "child" and e["worker"] in workers]
+        children = [
+            e["pid"] for e in read_json_lines(victim.out) if e.get("event") == "child" and e["worker"] in workers
+        ]
         assert workers and children and all(_alive(p) for p in workers + children), c.diagnostics()
 
         killed_at = time.monotonic()
