@@ -139,7 +139,7 @@ def run_daemon(cfg: StartConfig) -> int:
             stragglers=StragglerDetector(factor=cfg.straggler_factor, window_s=cfg.straggler_window_s),
             read_peers=lambda: read_nodes(client, keys),
         )
-        stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat).close)
+        stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)
         log.info(
             "daemon_started",
