@@ -25,11 +25,37 @@ from elasticd.agent.stragglers import StragglerDetector
 from elasticd.metrics import Metrics
 from elasticd.worker.beats import BeatClient
 
-KINDS = "step hello resumed nonfinite fatal checkpoint_committed checkpoint_saved checkpoint_failed".split()
-FIELDS = (
-    "rank local_rank step loss samples step_time_s train_s own_s ts blocking_s total_s exit_code reason message "
-    "action capabilities requested pid phase"
-).split()
+KINDS = [
+    "step",
+    "hello",
+    "resumed",
+    "nonfinite",
+    "fatal",
+    "checkpoint_committed",
+    "checkpoint_saved",
+    "checkpoint_failed",
+]
+FIELDS = [
+    "rank",
+    "local_rank",
+    "step",
+    "loss",
+    "samples",
+    "step_time_s",
+    "train_s",
+    "own_s",
+    "ts",
+    "blocking_s",
+    "total_s",
+    "exit_code",
+    "reason",
+    "message",
+    "action",
+    "capabilities",
+    "requested",
+    "pid",
+    "phase",
+]
 
 json_scalars = (
     st.none()
