@@ -14,11 +14,7 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
-
-from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+from typing import TYPE_CHECKING
 
 from elasticd import __version__, envvars
 from elasticd.agent.agreement import HangAgreement
@@ -28,7 +24,6 @@ from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reaper import Reaper
 from elasticd.agent.registry import NodeRegistry, read_nodes
 from elasticd.agent.stragglers import StragglerDetector
-from elasticd.agent.supervisor import ElasticdAgent
 from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
 from elasticd.board import read_slot, slot_path
 from elasticd.config import StartConfig
@@ -40,9 +35,11 @@ from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.logging import configure_logging, get_logger
 from elasticd.metrics import Metrics, MetricsServer
-from elasticd.rendezvous.handler import ElasticdRendezvousHandler, create_handler
-from elasticd.rendezvous.reset import clear_finished_run
 from elasticd.worker.launch import worker_args
+
+if TYPE_CHECKING:
+    from elasticd.agent.supervisor import ElasticdAgent
+    from elasticd.rendezvous.handler import ElasticdRendezvousHandler
 
 
 def run_daemon(cfg: StartConfig) -> int:
@@ -78,6 +75,16 @@ def run_daemon(cfg: StartConfig) -> int:
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
+        # torch loads only now (~4 s on a busy host): what a user waits to hear about (metrics port, etcd, a node id
+        # in use) is answered in about a second. tests/unit/test_startup_imports.py keeps it that way.
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from elasticd.agent.supervisor import ElasticdAgent
+        from elasticd.rendezvous.handler import create_handler
+        from elasticd.rendezvous.reset import clear_finished_run
+
         alone = not [n for n in read_nodes(client, keys) if n.get("node_id") != cfg.node_id]
         if alone and (removed := clear_finished_run(client, keys)):
             log.info("previous_run_cleared", removed=removed)
@@ -157,6 +164,9 @@ def run_daemon(cfg: StartConfig) -> int:
 
 
 def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+
     logger = agent.log
     try:
         result = agent.run()
@@ -195,6 +205,8 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
     signal, and for a signal that arrives while no workers run (waiting for a round, starting workers), when there
     is nothing to save and waiting could outlast a Kubernetes grace period.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
