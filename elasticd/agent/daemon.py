@@ -6,6 +6,7 @@ Everything started here is stopped here, in reverse order, on every path out (an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -59,9 +60,11 @@ def run_daemon(cfg: StartConfig) -> int:
             stack.callback(server.close)
         endpoints, local_addr = cfg.etcd_text, cfg.local_addr
         if cfg.embedded_etcd:
-            etcd = stack.enter_context(EmbeddedEtcd())
+            etcd = stack.enter_context(EmbeddedEtcd(auth=True))
             endpoints, local_addr = etcd.endpoint, local_addr or "127.0.0.1"
-            log.info("embedded_etcd_started", endpoint=endpoints, pid=etcd.pid)
+            # No other local user may use it (rendezvous state is a pickle): this daemon and its workers log in.
+            cfg = dataclasses.replace(cfg, etcd_access=etcd.access)
+            log.info("embedded_etcd_started", endpoint=endpoints, pid=etcd.pid, credentials=str(etcd.password_file))
         client = EtcdClient.connect(
             parse_endpoints(endpoints),
             connect_timeout_s=cfg.etcd_connect_timeout_s,
