@@ -161,6 +161,8 @@ class EtcdClient:
             client = clients[0]
             try:
                 client._call("status", client._raw.status)
+                if user is None:
+                    client.revision()  # status needs no login; a read does: an etcd that requires one says so now
             except EtcdError as exc:
                 raise _access_error(exc, text) or exc from None
             client._raw.timeout = request_timeout_s

@@ -258,7 +258,7 @@ class EmbeddedEtcd:
         command = [
             binary,
             f"--name={_MEMBER_NAME}",
-            f"--data-dir={self.data_dir / 'data'}",
+            f"--data-dir={self.data_dir.resolve() / 'data'}",  # absolute: etcd runs in the runtime dir (auth=True)
             f"--listen-client-urls={client_url}",
             f"--advertise-client-urls={client_url}",
             f"--listen-peer-urls={peer_url}",

@@ -13,11 +13,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import psutil
+import pyetcd
 import pytest
 
+from elasticd.errors import EtcdAccessError
 from elasticd.etcd.access import resolve_access
-from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import PASSWORD_FILE, EmbeddedEtcd, EtcdServerError, free_port
 from tests.helpers import ETCD_READY_TIMEOUT_S
@@ -43,14 +46,20 @@ def _client(endpoint: str, **login: str) -> EtcdClient:
 
 
 def _assert_refused_without_login(endpoint: str) -> None:
-    anonymous = _client(endpoint)
+    # elasticd's client says what is missing at once (exit 2 for status, stop, start)
+    with pytest.raises(EtcdAccessError, match="user name is empty; check --etcd-user"):
+        _client(endpoint)
+    # and etcd itself refuses anyone without a login (what another local user would try)
+    host, port = endpoint.rsplit(":", 1)
+    anonymous = pyetcd.MultiEndpointEtcd3Client(endpoints=[pyetcd.Endpoint(host, int(port), secure=False)], timeout=10)
     try:
         for attempt in (
             lambda: anonymous.put("/elasticd/x/rdzv/state", b"pickle"),
             lambda: anonymous.get("/elasticd/"),
         ):
-            with pytest.raises(EtcdError, match="user name is empty"):
+            with pytest.raises(grpc.RpcError) as refused:
                 attempt()
+            assert "user name is empty" in str(refused.value.details())  # type: ignore[attr-defined]
     finally:
         anonymous.close()
 
