@@ -188,3 +188,11 @@ def test_daemon_on_its_embedded_etcd_refuses_other_clients_and_its_workers_commi
         if daemon.poll() is None:
             os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait()
+
+
+def test_a_relative_data_dir_keeps_its_data_where_it_was_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    server = EmbeddedEtcd(data_dir=Path("relative"), unsafe_no_fsync=True, auth=True)
+    server.start(ready_timeout_s=ETCD_READY_TIMEOUT_S)
+    server.stop()
+    assert (tmp_path / "relative" / "data" / "member").is_dir()  # not in etcd's runtime dir, which is gone
