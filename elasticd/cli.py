@@ -24,9 +24,46 @@ def _env(name: str) -> str:
     return _ENV_PREFIX + name.upper().replace("-", "_")
 
 
+class FiniteFloat(click.FloatRange):
+    """Every float option's type: nan and ±inf are refused, from the command line, env and config file alike
+    (click's own float accepts them, and nan slips through any range)."""
+
+    name = "number"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from elasticd.config import parse_number
+
+        try:
+            number = parse_number(value)
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+        return super().convert(number, param, ctx)
+
+
+class SecondsOrAuto(click.ParamType):
+    """``S`` (a finite number of seconds) or ``auto``; the value stays text for ``config.parse_hang_timeout``."""
+
+    name = "seconds|auto"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from elasticd.config import parse_number
+
+        if value == "auto":
+            return value
+        try:
+            parse_number(value)
+        except ValueError as exc:
+            self.fail(f"expected seconds or 'auto': {exc}", param, ctx)
+        return str(value)
+
+
 def _option(flag: str, *dest: str, **kwargs: Any) -> Callable[[Any], Any]:
-    """A long option that also reads ``ELASTICD_<FLAG>`` (``--min-nodes`` → ``ELASTICD_MIN_NODES``)."""
+    """A long option that also reads ``ELASTICD_<FLAG>`` (``--min-nodes`` → ``ELASTICD_MIN_NODES``).
+
+    ``type=float`` becomes :class:`FiniteFloat`, so no float option can take nan or inf."""
     name = flag.lstrip("-")
+    if kwargs.get("type") is float:
+        kwargs["type"] = FiniteFloat()
     return click.option(flag, *dest, envvar=_env(name), show_envvar=True, show_default=True, **kwargs)
 
 
@@ -110,7 +147,12 @@ _config_option = click.option(
 @_option("--checkpoint-every-steps", type=int, default=100, help="0 disables step-based checkpoints.")
 @_option("--checkpoint-every-seconds", type=float, default=0.0, help="0 disables time-based checkpoints.")
 @_option("--keep-checkpoints", type=int, default=3, help="Committed checkpoints kept.")
-@_option("--hang-timeout", default="auto", help="No-progress timeout in seconds, or 'auto' (learned from step times).")
+@_option(
+    "--hang-timeout",
+    type=SecondsOrAuto(),
+    default="auto",
+    help="No-progress timeout in seconds, or 'auto' (learned from step times).",
+)
 @_option("--hang-attempts", type=int, default=3, help="Exit 1 when one step hangs this many times in a row.")
 @_option(
     "--startup-timeout",
@@ -148,7 +190,13 @@ def start(**values: Any) -> None:
 _etcd_opts = [
     _option("--etcd", default="127.0.0.1:2379", help="etcd endpoints HOST:PORT[,...]."),
     _option("--run-id", default="default"),
-    _option("--etcd-connect-timeout", "etcd_connect_timeout_s", type=float, default=5.0, help="Seconds."),
+    _option(
+        "--etcd-connect-timeout",
+        "etcd_connect_timeout_s",
+        type=FiniteFloat(min=0, min_open=True),
+        default=5.0,
+        help="Seconds.",
+    ),
 ]
 
 

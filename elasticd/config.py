@@ -8,6 +8,7 @@ message names the option as the user wrote it.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -92,14 +93,32 @@ def parse_nproc(value: str) -> int:
     return n
 
 
+def parse_number(value: object) -> float:
+    """A finite number from a flag, an env value or a YAML value; ``ValueError`` naming the value otherwise.
+
+    Every numeric option goes through here (click's float options through ``cli.FiniteFloat``). nan and ±inf are
+    refused: nan passes every comparison, so no range check would catch it, and either one becomes a traceback or
+    a wait that never ends further in (a nan timeout, an inf sleep).
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{value!r} is not a number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a number") from None
+    if not math.isfinite(number):
+        raise ValueError(f"{value!r} is not a finite number")
+    return number
+
+
 def parse_hang_timeout(value: str) -> float | None:
     """``S`` seconds (> 0) or ``auto``; ``None`` means auto."""
     if value == "auto":
         return None
     try:
-        seconds = float(value)
-    except ValueError:
-        raise ConfigError("--hang-timeout", f"expected seconds or 'auto', got {value!r}") from None
+        seconds = parse_number(value)
+    except ValueError as exc:
+        raise ConfigError("--hang-timeout", f"expected seconds or 'auto': {exc}") from None
     if seconds <= 0:
         raise ConfigError("--hang-timeout", f"must be > 0 seconds or 'auto', got {value!r}")
     return seconds
@@ -115,9 +134,9 @@ def parse_rdzv_conf(value: str) -> tuple[tuple[str, str], ...]:
             accepted = ", ".join(sorted(RDZV_CONF_KEYS))
             raise ConfigError("--rdzv-conf", f"unknown entry {item!r}; accepted keys: {accepted}")
         try:
-            number = float(raw)
-        except ValueError:
-            raise ConfigError("--rdzv-conf", f"{key} must be a number, got {raw!r}") from None
+            number = parse_number(raw.strip())
+        except ValueError as exc:
+            raise ConfigError("--rdzv-conf", f"{key} must be a number: {exc}") from None
         if number <= 0:
             raise ConfigError("--rdzv-conf", f"{key} must be > 0, got {raw!r}")
         pairs.append((key, raw.strip()))

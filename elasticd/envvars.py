@@ -27,6 +27,10 @@ BOARD = "ELASTICD_BOARD"
 ROUND = "ELASTICD_ROUND"
 # The fencing token of the worker group (elasticd/lineage.py): a commit is recorded only while it is current.
 FENCE_TOKEN = "ELASTICD_FENCE_TOKEN"
+# The daemon's pid. The worker launcher (elasticd/worker/launch.py) checks it is still its parent after asking the
+# kernel for a death signal, and the reaper (elasticd/agent/reaper.py) kills every process that carries it once that
+# daemon is gone: it marks everything a daemon started, down to the workers' own children.
+DAEMON_PID = "ELASTICD_DAEMON_PID"
 # Test-only fault injection (documented as a testing aid in docs/testing.md).
 FAULT = "ELASTICD_FAULT"
 # Test-only: the daemon SIGKILLs itself at a point of a forming round (elasticd/rendezvous/faults.py).

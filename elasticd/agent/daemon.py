@@ -6,6 +6,7 @@ Everything started here is stopped here, in reverse order, on every path out (an
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -14,23 +15,17 @@ import tempfile
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
-from typing import Any
-
-from torch.distributed.elastic.agent.server.api import WorkerSpec
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+from typing import TYPE_CHECKING, Any
 
 from elasticd import __version__, envvars, rundir
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
-from elasticd.agent.liveness import RoundLiveness, read_view
 from elasticd.agent.policy import SupervisorPolicy
+from elasticd.agent.reaper import Reaper
 from elasticd.agent.registry import NodeRegistry, read_nodes
 from elasticd.agent.spares import EtcdPlanStore, Sizing
 from elasticd.agent.stragglers import StragglerDetector
-from elasticd.agent.supervisor import ElasticdAgent
 from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
 from elasticd.board import read_slot, slot_path
 from elasticd.config import StartConfig
@@ -43,9 +38,12 @@ from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage
 from elasticd.logging import configure_logging, get_logger
 from elasticd.metrics import Metrics, MetricsServer
-from elasticd.rendezvous.handler import ElasticdRendezvousHandler, create_handler
-from elasticd.rendezvous.reset import clear_finished_run
 from elasticd.worker.checkpoints import CheckpointStore
+from elasticd.worker.launch import worker_args
+
+if TYPE_CHECKING:
+    from elasticd.agent.supervisor import ElasticdAgent
+    from elasticd.rendezvous.handler import ElasticdRendezvousHandler
 
 
 def run_daemon(cfg: StartConfig) -> int:
@@ -55,6 +53,10 @@ def run_daemon(cfg: StartConfig) -> int:
     # before anything starts: a directory no save can be written to is a usage error (exit 2), not a crash loop
     rundir.prepare(cfg.checkpoint_dir.resolve() / cfg.run_id)
     with ExitStack() as stack:
+        # First in, last out: everything started below carries this pid, and the reaper kills what is left of it
+        # once the daemon is gone, whether it exits or is killed (elasticd/agent/reaper.py).
+        os.environ[envvars.DAEMON_PID] = str(os.getpid())
+        stack.enter_context(Reaper.start(os.getpid(), cfg.log_format))
         metrics = Metrics.create(
             version=__version__, node=cfg.node_id, min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes
         )
@@ -63,9 +65,11 @@ def run_daemon(cfg: StartConfig) -> int:
             stack.callback(server.close)
         endpoints, local_addr = cfg.etcd_text, cfg.local_addr
         if cfg.embedded_etcd:
-            etcd = stack.enter_context(EmbeddedEtcd())
+            etcd = stack.enter_context(EmbeddedEtcd(auth=True))
             endpoints, local_addr = etcd.endpoint, local_addr or "127.0.0.1"
-            log.info("embedded_etcd_started", endpoint=endpoints, pid=etcd.pid)
+            # No other local user may use it (rendezvous state is a pickle): this daemon and its workers log in.
+            cfg = dataclasses.replace(cfg, etcd_access=etcd.access)
+            log.info("embedded_etcd_started", endpoint=endpoints, pid=etcd.pid, credentials=str(etcd.password_file))
         client = EtcdClient.connect(
             parse_endpoints(endpoints),
             connect_timeout_s=cfg.etcd_connect_timeout_s,
@@ -79,6 +83,17 @@ def run_daemon(cfg: StartConfig) -> int:
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
+        # torch loads only now (~4 s on a busy host): what a user waits to hear about (metrics port, etcd, a node id
+        # in use) is answered in about a second. tests/unit/test_startup_imports.py keeps it that way.
+        from torch.distributed.elastic.agent.server.api import WorkerSpec
+        from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+        from elasticd.agent.liveness import RoundLiveness, read_view
+        from elasticd.agent.supervisor import ElasticdAgent
+        from elasticd.rendezvous.handler import create_handler
+        from elasticd.rendezvous.reset import clear_finished_run
+
         alone = not [n for n in read_nodes(client, keys) if n.get("node_id") != cfg.node_id]
         if alone and (removed := clear_finished_run(client, keys)):
             log.info("previous_run_cleared", removed=removed)
@@ -105,7 +120,8 @@ def run_daemon(cfg: StartConfig) -> int:
             role="default",
             local_world_size=cfg.nproc_per_node,
             entrypoint=sys.executable,
-            args=("-u", str(cfg.script), *cfg.script_args),
+            # through the launcher, so that each worker dies with this daemon (elasticd/worker/launch.py)
+            args=worker_args(str(cfg.script), cfg.script_args),
             rdzv_handler=handler,
             max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval_s,
@@ -150,7 +166,7 @@ def run_daemon(cfg: StartConfig) -> int:
                 registry=registry,
             ),
         )
-        stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat).close)
+        stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)
         log.info(
             "daemon_started",
@@ -168,6 +184,9 @@ def run_daemon(cfg: StartConfig) -> int:
 
 
 def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
+
     logger = agent.log
     try:
         result = agent.run()
@@ -219,6 +238,8 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
     signal, and for a signal that arrives while no workers run (waiting for a round, starting workers), when there
     is nothing to save and waiting could outlast a Kubernetes grace period.
     """
+    from torch.distributed.elastic.multiprocessing import SignalException
+
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -1,13 +1,18 @@
 """The node registry: ``/elasticd/<run-id>/nodes/<node-id>``, a JSON record kept alive by an etcd lease.
 
 Each daemon owns its record. The lease makes liveness automatic: a node killed with kill -9 disappears from the
-registry ``ttl_s`` seconds later, with nobody cleaning up. A keep-alive thread refreshes the lease and, when the lease
-was lost (etcd restarted, a long partition), grants a new one and writes the record again.
+registry ``ttl_s`` seconds later, with nobody cleaning up. A keep-alive thread refreshes the lease every second and,
+when the lease was lost (etcd restarted, a long partition), grants a new one and writes the record again.
+
+A second daemon with the same node id is told apart from a restart of a dead one (:class:`Holder`): on the same
+machine at once, from the process identity in the record (``elasticd/procid.py``); elsewhere by watching the
+holder's lease, which a live holder refreshes every second.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import socket
@@ -16,14 +21,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elasticd import __version__
+from elasticd import __version__, procid
 from elasticd.errors import NodeIdInUseError
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.logging import get_logger
 
-# Seconds a dead daemon's record outlives it; the refresh runs every ttl/3 so two missed refreshes are tolerated.
+# Seconds a dead daemon's record outlives it.
 DEFAULT_TTL_S = 10
+# Seconds between refreshes of the record's lease (at most ttl/3): short, so that a second daemon with the same node
+# id sees the lease refreshed, the holder alive, within ~1.5 s; it costs one small etcd call per second per node.
+REFRESH_INTERVAL_S = 1.0
+# Seconds between looks at a held record while claiming.
+_CLAIM_POLL_S = 0.2
+# etcd reports a lease's remaining TTL in whole seconds, measured on the server; this much of the elapsed time we
+# measure here may be request latency, not time the server saw pass.
+_LATENCY_MARGIN_S = 0.25
 
 
 class NodeRegistry:
@@ -55,6 +68,7 @@ class NodeRegistry:
             "world_size": None,
             "nodes": None,
             "last_step": None,
+            **procid.identity(),  # boot_id, pid_ns, pid_start: lets a daemon on this machine tell if we still run
         }
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -66,28 +80,35 @@ class NodeRegistry:
             return dict(self._record)
 
     def claim(self, wait_s: float | None = None) -> None:
-        """Create the record; if a live one holds the id, wait up to ``wait_s`` (default: the TTL + 2 s) for it.
+        """Create the record; if another daemon holds the id, tell whether it is alive (:class:`Holder`).
 
-        A record left by a killed daemon of the same id (a restarted pod) expires within the TTL, so waiting that
-        long tells a restart from a second live daemon, which gets :class:`NodeIdInUseError`.
+        A live holder gets :class:`NodeIdInUseError` at once (same machine) or once its lease is seen refreshed
+        (~1.5 s). A holder known to be dead (same machine, its process gone) is replaced at once. Otherwise the
+        record is waited for up to ``wait_s`` (default: the TTL + 2 s): a killed daemon's record expires within
+        the TTL, so one that outlives that wait belongs to a live daemon.
         """
         deadline = time.monotonic() + (self._ttl_s + 2 if wait_s is None else wait_s)
         lease = self._client.grant_lease(self._ttl_s)
+        holder = Holder(self._client, self._key)
         while True:
             if self._client.create(self._key, self._encode(), lease_id=lease):
                 with self._lock:
                     self._lease = lease
                 return
-            if time.monotonic() >= deadline:
+            state = holder.look()
+            if state == HolderState.GONE and holder.lease is not None:
+                self._log.warning("stale_node_record_replaced", holder=holder.description)
+                with contextlib.suppress(EtcdError):  # revoking deletes the record; a failure is retried
+                    self._client.revoke_lease(holder.lease)
+                continue
+            if state == HolderState.ALIVE or time.monotonic() >= deadline:
                 self._client.revoke_lease(lease)
-                held = self._client.get(self._key)
-                owner = json.loads(held[0]) if held else {}
                 raise NodeIdInUseError(
-                    f"node id {self._record['node_id']!r} is held by a live daemon "
-                    f"(host {owner.get('host')}, pid {owner.get('pid')}); pass a unique --node-id"
+                    f"node id {self._record['node_id']!r} is held by a live daemon ({holder.description}); "
+                    "pass a unique --node-id"
                 )
             self._client.refresh_lease(lease)
-            time.sleep(0.5)
+            time.sleep(_CLAIM_POLL_S)
 
     def update(self, **fields: Any) -> None:
         """Merge ``fields`` into the record and write it (errors are logged: the keep-alive rewrites it later)."""
@@ -106,7 +127,7 @@ class NodeRegistry:
         self._thread.start()
 
     def _keepalive(self) -> None:
-        interval_s = self._ttl_s / 3
+        interval_s = min(self._ttl_s / 3, REFRESH_INTERVAL_S)
         while not self._stop.wait(interval_s):
             try:
                 with self._lock:
@@ -137,6 +158,57 @@ class NodeRegistry:
         with self._lock:
             record = dict(self._record, updated_at=self._clock())
         return json.dumps(record, separators=(",", ":")).encode()
+
+
+class HolderState(enum.Enum):
+    FREE = "free"  # nobody holds the id (any more)
+    ALIVE = "alive"  # a live daemon holds it
+    GONE = "gone"  # the holder is known to be dead: it ran on this machine and its process is gone
+    UNKNOWN = "unknown"  # not known yet: look again
+
+
+class Holder:
+    """Evidence, gathered over successive :meth:`look` calls, about the daemon whose record holds a node id."""
+
+    def __init__(self, client: EtcdClient, key: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self._key = key
+        self._clock = clock
+        self.lease: int | None = None
+        self.record: dict[str, Any] = {}
+        self._first_ttl: tuple[int, int, float] | None = None  # (lease, remaining TTL in s, when we read it)
+
+    @property
+    def description(self) -> str:
+        return f"host {self.record.get('host')}, pid {self.record.get('pid')}"
+
+    def look(self) -> HolderState:
+        held = self._client.get(self._key)
+        if held is None:
+            return HolderState.FREE
+        try:
+            record = json.loads(held[0])
+        except ValueError:
+            record = None
+        self.record = record if isinstance(record, dict) else {}
+        self.lease = self._client.lease_of(self._key)
+        if procid.same_machine(self.record):
+            return HolderState.ALIVE if procid.still_running(self.record) else HolderState.GONE
+        if self.lease is None:
+            return HolderState.UNKNOWN
+        return self._judge_ttl(self.lease, self._client.lease_ttl(self.lease), self._clock())
+
+    def _judge_ttl(self, lease: int, ttl: int, now: float) -> HolderState:
+        # Unrefreshed, the remaining TTL falls as fast as time passes; a reading that fell less than the time that
+        # passed (less one second of rounding down and the request latency) proves that the holder refreshed it.
+        if ttl < 0:
+            return HolderState.FREE
+        if self._first_ttl is None or self._first_ttl[0] != lease:
+            self._first_ttl = (lease, ttl, now)
+            return HolderState.UNKNOWN
+        _, first, then = self._first_ttl
+        refreshed = ttl >= first + 1 - (now - then - _LATENCY_MARGIN_S)
+        return HolderState.ALIVE if refreshed else HolderState.UNKNOWN
 
 
 def read_nodes(client: EtcdClient, keys: RunKeys) -> list[dict[str, Any]]:

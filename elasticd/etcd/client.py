@@ -96,10 +96,13 @@ class EtcdClient:
         raw: pyetcd.MultiEndpointEtcd3Client,
         endpoints: Sequence[Endpoint],
         on_error: ErrorHook | None = None,
+        *,
+        login: tuple[str, str] | None = None,
     ) -> None:
         self._raw = raw
         self._endpoints = tuple(endpoints)
         self._on_error = on_error
+        self._login = login  # (user, password): to get a new token when etcd forgot ours
         self._lock = threading.RLock()
 
     @classmethod
@@ -149,10 +152,17 @@ class EtcdClient:
                     if on_error is not None:
                         on_error(error)
                     raise _access_error(error, text) or error from None
-                clients.append(cls(raw, endpoints, on_error))
+                if creds is None:
+                    # gRPC never sends call credentials over a channel without TLS; the token also travels as
+                    # plain metadata, which is what etcd reads (loopback, or a network the operator trusts).
+                    raw.call_credentials = None
+                login = (user, password) if user is not None and password is not None else None
+                clients.append(cls(raw, endpoints, on_error, login=login))
             client = clients[0]
             try:
                 client._call("status", client._raw.status)
+                if user is None:
+                    client.revision()  # status needs no login; a read does: an etcd that requires one says so now
             except EtcdError as exc:
                 raise _access_error(exc, text) or exc from None
             client._raw.timeout = request_timeout_s
@@ -344,7 +354,7 @@ class EtcdClient:
 
     # -- internals -----------------------------------------------------------------------------------------
 
-    def _call(self, operation: str, fn: Callable[[], T], report: bool = True) -> T:
+    def _call(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T:
         try:
             with self._lock:
                 return fn()
@@ -355,9 +365,34 @@ class EtcdClient:
                 # instead of refusing for the rest of the backoff while etcd may already be back.
                 for endpoint in self._raw.endpoints.values():
                     endpoint.last_failed = 0
+        if not renewed and "invalid auth token" in str(error) and self._renew_token():
+            return self._call(operation, fn, report, renewed=True)
         if report:
             self._report(error)
         raise error
+
+    def _renew_token(self) -> bool:
+        """Log in again after etcd forgot our token (it restarted, or the token expired unused); True on success.
+
+        The watch stream carries the old token, so it is replaced (watches on it end; their callers re-read)."""
+        if self._login is None:
+            return False
+        user, password = self._login
+        request = pyetcd.etcdrpc.AuthenticateRequest(name=user, password=password)
+        try:
+            with self._lock:
+                token = self._raw.authstub.Authenticate(request, self._raw.timeout).token
+                self._raw.metadata = (("token", token),)
+                if self._raw.call_credentials is not None:
+                    self._raw.call_credentials = grpc.metadata_call_credentials(
+                        pyetcd.client.EtcdTokenCallCredentials(token)
+                    )
+                old_watcher, self._raw.watcher = self._raw.watcher, self._raw.get_watcher()
+        except _RPC_ERRORS:
+            return False
+        with contextlib.suppress(*_RPC_ERRORS):
+            old_watcher.close()
+        return True
 
     def _report(self, error: EtcdError) -> None:
         if self._on_error is not None:

@@ -97,7 +97,8 @@ class Node:
         return wait_until(found, timeout_s, f"{self.name}: event {name}")  # type: ignore[no-any-return]
 
     def worker_pids(self) -> list[int]:
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
+        """Every process below the daemon but its reaper (elasticd/agent/reaper.py), which is no worker."""
+        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True) if not _is_reaper(c)]
 
     def kill(self) -> None:
         """The node dies: SIGKILL to the daemon and every process below it, at the same moment."""
@@ -220,6 +221,15 @@ class Cluster:
 
     def diagnostics(self) -> str:
         return "\n".join(f"===== {name}\n{node.tail()}" for name, node in self.nodes.items())
+
+
+def _is_reaper(process: psutil.Process) -> bool:
+    from elasticd.agent.reaper import MODULE
+
+    try:
+        return MODULE in process.cmdline()
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _orphans_of(node: Node) -> list[psutil.Process]:

@@ -178,6 +178,7 @@ def test_sigterm_leaves_after_a_checkpoint_and_the_others_go_on_losing_no_step(e
 
 
 def test_elasticd_etcd_serves_the_v3_api_until_sigterm(tmp_path: Path) -> None:
+    from elasticd.etcd.access import resolve_access
     from elasticd.etcd.client import EtcdClient
     from elasticd.etcd.endpoints import parse_endpoints
     from elasticd.etcd.server import free_port
@@ -192,9 +193,13 @@ def test_elasticd_etcd_serves_the_v3_api_until_sigterm(tmp_path: Path) -> None:
     )
     try:
         assert proc.stdout is not None
-        banner = proc.stdout.readline()
-        assert f"127.0.0.1:{port}" in banner
-        client = EtcdClient.connect(parse_endpoints(f"127.0.0.1:{port}"), connect_timeout_s=10)
+        banner, flags = proc.stdout.readline(), proc.stdout.readline().split()
+        assert f"127.0.0.1:{port}" in banner and "only this user can log in" in banner
+        assert flags[:4] == ["--etcd", f"127.0.0.1:{port}", "--etcd-user", "root"], flags
+        access = resolve_access(user=flags[3], password_file=flags[5])
+        client = EtcdClient.connect(
+            parse_endpoints(f"127.0.0.1:{port}"), connect_timeout_s=10, **access.connect_kwargs()
+        )
         client.put("/probe", b"1")
         assert client.get("/probe")[0] == b"1"  # type: ignore[index]
         client.close()
