@@ -32,6 +32,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "hot_worker.py"
 REL_TOL = 1e-5
 # how long a scenario may take before the test gives up on it (seconds; the box is loaded, imports are slow)
 SCENARIO_TIMEOUT_S = 100.0
+WAITED_FOR_A_TIMEOUT_S = 25.0
 
 
 class Conductor:
@@ -157,6 +158,13 @@ def assert_same_weights(weights: list[dict[str, torch.Tensor]]) -> None:
             assert torch.equal(first[name], other[name]), f"{name} differs between members"
 
 
+def assert_accelerate_follows(result: dict[str, Any]) -> None:
+    """Every committed step saw accelerate's world (both shared states) and accumulation match the group's."""
+    for s in result["steps"]:
+        accumulation = 12 // (2 * s["world"])
+        assert s["accelerate"] == [s["world"], s["rank"], s["world"], s["rank"], accumulation], (result["id"], s)
+
+
 def median_step_s(result: dict[str, Any], world: int) -> float:
     times = [s["t"] for s in result["steps"] if s["world"] == world]
     return statistics.median(b - a for a, b in itertools.pairwise(times))
@@ -182,6 +190,7 @@ def test_survivors_of_a_kill_skip_the_failed_step_reform_heal_and_agree(conducto
         assert [s["position"] for s in steps] == [12 * (s["step"] - 1) for s in steps], w
         assert all(abs(s["lr"] - 1e-2 / (1 + 0.05 * s["step"])) < 1e-12 for s in steps), w
         assert event(result, "first_step", after=killed_at)["world"] == 2
+        assert_accelerate_follows(result)
     (decision,) = conductor.decisions
     assert decision["world"] == 2 and set(decision["ranks"]) == set(survivors)
     # the heal source is the survivor with the most committed steps; everyone continued from its count
@@ -190,6 +199,9 @@ def test_survivors_of_a_kill_skip_the_failed_step_reform_heal_and_agree(conducto
     assert_same_weights([conductor.weights(w) for w in survivors])
     recovered = max(event(r, "first_step", after=killed_at)["t"] for r in results.values()) - killed_at
     detected = max(event(r, "failed", after=killed_at)["t"] for r in results.values()) - killed_at
+    # not a speed check: the workers' bucket deadline is 30 s and their groups' timeout 60 s, so a survivor that
+    # waited for either (no notice, or an old group dropped with a collective pending) takes longer than this
+    assert recovered < WAITED_FOR_A_TIMEOUT_S, f"recovery took {recovered:.1f}s: a survivor waited for a timeout"
     print(
         f"\nkill -9 of rank 0 of 3: failure seen by every survivor after {detected:.3f}s,"
         f" first completed step at world 2 after {recovered:.3f}s"
@@ -217,6 +229,8 @@ def test_a_warm_joiner_is_admitted_at_a_step_boundary_healed_and_keeps_identical
         steps = results[w]["steps"]
         assert [s["step"] for s in steps] == list(range(1, len(steps) + 1)), w
         assert {s["world"] for s in steps} == {2, 3}
+    for result in results.values():
+        assert_accelerate_follows(result)
     joined = event(results["j"], "healed")
     first = results["j"]["steps"][0]
     # the joiner continued from the members' step count and data position
@@ -281,6 +295,7 @@ def test_a_run_through_3_2_3_ends_at_the_weights_and_schedule_of_an_undisturbed_
         assert [s["position"] for s in steps] == [s["position"] for s in ref_steps], w
         assert [s["lr"] for s in steps] == [s["lr"] for s in ref_steps], w
         assert {s["world"] for s in steps} == {2, 3}, w
+        assert_accelerate_follows(conductor.result(w))
     expected = reference.weights("r0")
     worst = 0.0
     for w in survivors:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedDataParallelKwargs
 from torch import nn
 
@@ -181,15 +181,15 @@ class Worker:
         if failure is None:
             self.state = self.state.advanced(step_slice.next_position())
             lr = self.scheduler.get_last_lr()[0]
-            self.steps.append(
-                {
-                    "step": self.state.step,
-                    "world": self.world,
-                    "position": step_slice.position,
-                    "lr": lr,
-                    "t": time.monotonic(),
-                }
-            )
+            # what accelerate tells the script about the world, through both of its shared states
+            seen = [self.accelerator.num_processes, self.accelerator.process_index]
+            seen += [
+                PartialState().num_processes,
+                PartialState().process_index,
+                self.accelerator.gradient_accumulation_steps,
+            ]
+            record = {"step": self.state.step, "world": self.world, "rank": self.rank, "position": step_slice.position}
+            self.steps.append({**record, "lr": lr, "accelerate": seen, "t": time.monotonic()})
             if self.first_after_change:
                 self.event("first_step")
                 self.first_after_change = False
