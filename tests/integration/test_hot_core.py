@@ -46,6 +46,7 @@ class Conductor:
         self.members: list[str] = []
         self.epoch = 0
         self.decisions: list[dict[str, Any]] = []
+        self.declared_dead: set[str] = set()  # stopped, not exited: what a liveness lease would say about them
 
     def start(self, worker_id: str, *args: str) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_RANK": "0", "PYTHONUNBUFFERED": "1"}
@@ -69,6 +70,13 @@ class Conductor:
         os.killpg(self.procs[worker_id].pid, signal.SIGKILL)
         return killed_at
 
+    def stop(self, worker_id: str) -> float:
+        """SIGSTOP: a vanished node sends nothing, its peers' collectives just wait; the daemons declare it dead."""
+        stopped_at = time.monotonic()
+        os.killpg(self.procs[worker_id].pid, signal.SIGSTOP)
+        self.declared_dead.add(worker_id)
+        return stopped_at
+
     def serve(self, until: Callable[[], bool] = lambda: False, timeout_s: float = SCENARIO_TIMEOUT_S) -> None:
         """Decide memberships until every worker has exited (or ``until()``); fail on a worker's error or timeout."""
         deadline = time.monotonic() + timeout_s
@@ -77,7 +85,7 @@ class Conductor:
                 return
             self._admissions()
             self._failures()
-            running = [w for w, p in self.procs.items() if p.poll() is None]
+            running = [w for w, p in self.procs.items() if p.poll() is None and w not in self.declared_dead]
             if not running:
                 return
             time.sleep(0.005)
@@ -91,7 +99,7 @@ class Conductor:
             self.epoch += 1
 
     def _failures(self) -> None:
-        alive = {m for m in self.members if self.procs[m].poll() is None}
+        alive = {m for m in self.members if self.procs[m].poll() is None and m not in self.declared_dead}
         dead = [m for m in self.members if m not in alive]
         notice = f"hot/e{self.epoch}/notice"
         if dead and not self.store.check([notice]):
@@ -131,7 +139,9 @@ class Conductor:
         return "\n".join(parts)
 
     def close(self) -> None:
-        for process in self.procs.values():
+        for worker_id, process in self.procs.items():
+            if worker_id in self.declared_dead and process.poll() is None:
+                os.killpg(process.pid, signal.SIGCONT)
             kill_tree(process)
 
 
@@ -207,6 +217,26 @@ def test_survivors_of_a_kill_skip_the_failed_step_reform_heal_and_agree(conducto
         f" first completed step at world 2 after {recovered:.3f}s"
         f" (steps at world 2: median {median_step_s(results['w1'], 2) * 1000:.1f} ms)"
     )
+
+
+def test_survivors_abandon_the_collective_a_vanished_member_left_pending(conductor: Conductor) -> None:
+    """No reset connection here: the survivors wait inside the all-reduce until the daemons' verdict (the notice)
+    releases them, and the collective they abandon stays pending in the old group until its timeout (60 s): they
+    must neither wait for it nor for the old group's destruction."""
+    ids = ["w0", "w1", "w2"]
+    conductor.start_group(ids, "--steps", "8", "--after", "10", "--expect-changes", "1", "--step-sleep-ms", "10")
+    conductor.serve(until=lambda: all((conductor.progress(w) or {}).get("step", 0) >= 5 for w in ids))
+    stopped_at = conductor.stop("w2")
+    conductor.serve()
+    assert conductor.exit_codes() == {"w0": 0, "w1": 0, "w2": None}, conductor.logs()
+    results = {w: conductor.result(w) for w in ["w0", "w1"]}
+    for result in results.values():
+        assert "failure notice" in event(result, "failed", after=stopped_at)["reason"]
+        assert_accelerate_follows(result)
+    assert_same_weights([conductor.weights(w) for w in results])
+    recovered = max(event(r, "first_step", after=stopped_at)["t"] for r in results.values()) - stopped_at
+    assert recovered < WAITED_FOR_A_TIMEOUT_S, f"recovery took {recovered:.1f}s: a survivor waited for a timeout"
+    print(f"\nSIGSTOP of 1 of 3, declared dead at once: first completed step at world 2 after {recovered:.3f}s")
 
 
 def test_a_warm_joiner_is_admitted_at_a_step_boundary_healed_and_keeps_identical_weights(conductor: Conductor) -> None:
