@@ -172,6 +172,10 @@ class Worker:
                     self.base.set(f"hot/died/{self.id}", str(time.monotonic()))
                     os.kill(os.getpid(), signal.SIGKILL)  # mid-step: the others wait in this step's all-reduce
                 self.accelerator.backward(loss)
+                if self.args.lag_at == number and i == len(micro_batches) - 1:
+                    # this member alone drops a step whose all-reduce succeeded everywhere (as when a peer dies
+                    # between two members' last receives): it falls one step behind the others
+                    self.health.fail(f"injected: {self.id} drops step {number}")
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad()
@@ -281,6 +285,7 @@ def main() -> None:
     p.add_argument("--expect-joiner", action="store_true")
     p.add_argument("--join-cap", type=int, default=10**9, help="wait for the joiner at this step at the latest")
     p.add_argument("--die-at", type=int, default=0, help="SIGKILL itself in the backward pass of this step")
+    p.add_argument("--lag-at", type=int, default=0, help="treat this step as failed here alone")
     p.add_argument("--global-batch", type=int, default=12)
     p.add_argument("--micro", type=int, default=2)
     p.add_argument("--bucket-kb", type=float, default=2.0)
