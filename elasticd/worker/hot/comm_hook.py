@@ -130,9 +130,10 @@ class ResilientAllReduce:
             deadline=time.monotonic() + self.timeout_s,
         )
         with self._cond:
+            if not self._in_flight:
+                self._cond.notify_all()  # the watcher idles while nothing is in flight; later deadlines come later
             self._in_flight.append(entry)
             self._ensure_watcher()
-            self._cond.notify_all()
         try:
             # What dist.all_reduce calls underneath, without its registry lookup: the group held need not be
             # registered (re-forming takes the old default group out of torch's registry).
