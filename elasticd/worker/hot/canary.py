@@ -1,0 +1,162 @@
+"""The private torch and accelerate surfaces the hot path relies on, and a check that they are still there.
+
+Hot recovery on torch 2.13 has no public API to move a prepared model to another process group, so it reaches into
+DDP's reducer and accelerate's shared state. :data:`SURFACES` lists every such attribute with a check of what we use
+it for (present, callable with the parameters we pass, or still doing what we rely on, read from its source).
+:func:`require_surfaces` runs at the start of the hot path and raises one error naming every attribute that moved
+and the versions the list was checked with, so an upgrade that breaks hot recovery fails at start (and in the canary
+test), never in the middle of a recovery.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import accelerate
+import torch
+import torch.distributed as dist
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
+from accelerate.state import AcceleratorState, PartialState
+from torch.nn.parallel import DistributedDataParallel
+
+from elasticd.worker.hot.errors import SurfaceChanged
+
+# The releases the surfaces below were read from and the hot path was tested with (major.minor).
+CHECKED_WITH = {"torch": "2.13", "accelerate": "1.15"}
+
+
+@dataclass(frozen=True, slots=True)
+class Surface:
+    """One private attribute: ``name`` as a reader would look it up, ``use`` what the hot path does with it."""
+
+    name: str
+    use: str
+    check: Callable[[], str | None]  # None when it is as expected, else what is wrong
+
+
+def _has(owner: object, attribute: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        return None if callable(getattr(owner, attribute, None)) else "missing"
+
+    return check
+
+
+def _params(function: Callable[[], object] | None, expected: tuple[str, ...]) -> str | None:
+    if function is None or not callable(function):
+        return "missing"
+    try:
+        found = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return "its signature cannot be read"
+    return None if found == expected else f"parameters {found}, expected {expected}"
+
+
+def _source_mentions(function: object, *needles: str) -> str | None:
+    if function is None:
+        return "missing"
+    try:
+        source = inspect.getsource(function)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return "its source cannot be read"
+    absent = [n for n in needles if n not in source]
+    return None if not absent else f"no longer contains {', '.join(repr(n) for n in absent)}"
+
+
+def _update_process_group() -> str | None:
+    method = getattr(DistributedDataParallel, "_update_process_group", None)
+    problem = _params(method, ("self", "new_process_group"))
+    return problem or _source_mentions(method, "self.reducer._reset_state()", "self.reducer._update_process_group(")
+
+
+def _shared_state(cls: type) -> Callable[[], str | None]:
+    def check() -> str | None:
+        if not isinstance(getattr(cls, "_shared_state", None), dict):
+            return "missing or not a dict"
+        # instances are views of the class-level dict: num_processes and process_index live in it
+        return _source_mentions(vars(cls).get("__init__"), "self.__dict__ = self._shared_state")
+
+    return check
+
+
+def _reducer() -> type | None:
+    return getattr(dist, "Reducer", None)
+
+
+SURFACES: tuple[Surface, ...] = (
+    Surface(
+        "torch.nn.parallel.DistributedDataParallel._update_process_group",
+        "moves the prepared model to the new group and resets its reducer",
+        _update_process_group,
+    ),
+    Surface(
+        "torch.nn.parallel.DistributedDataParallel._has_rebuilt_buckets",
+        "set after the bucket re-sync, as DDP's own forward pass would",
+        lambda: _source_mentions(vars(DistributedDataParallel).get("__init__"), "self._has_rebuilt_buckets"),
+    ),
+    Surface(
+        "torch.distributed.Reducer._push_all_rebuilt_params",
+        "bucket re-sync: every parameter counts as rebuilt, in parameter order",
+        lambda: _has(_reducer(), "_push_all_rebuilt_params")(),
+    ),
+    Surface(
+        "torch.distributed.Reducer._rebuild_buckets",
+        "bucket re-sync: rebuilds now, broadcasting rank 0's bucket indices",
+        lambda: _has(_reducer(), "_rebuild_buckets")(),
+    ),
+    Surface(
+        "accelerate.state.PartialState._shared_state",
+        "num_processes and process_index of the new group",
+        _shared_state(PartialState),
+    ),
+    Surface(
+        "accelerate.state.AcceleratorState._shared_state",
+        "num_processes and process_index of the new group (a second copy)",
+        _shared_state(AcceleratorState),
+    ),
+    Surface(
+        "accelerate.optimizer.AcceleratedOptimizer._is_overflow",
+        "skips the optimizer step of a failed step, and with it the scheduler's",
+        lambda: (
+            _source_mentions(vars(AcceleratedOptimizer).get("__init__"), "self._is_overflow")
+            or _source_mentions(getattr(AcceleratedOptimizer.step_was_skipped, "fget", None), "self._is_overflow")
+            or _source_mentions(AcceleratedScheduler.step, "step_was_skipped")
+        ),
+    ),
+    Surface(
+        "accelerate.Accelerator.step",
+        "the micro-batch counter that decides when to sync, restarted at a new world size",
+        lambda: _source_mentions(getattr(Accelerator, "_do_sync", None), "self.step"),
+    ),
+)
+
+
+def problems() -> list[str]:
+    """One line per surface that moved: the attribute, what is wrong, and what the hot path uses it for."""
+    found = []
+    for surface in SURFACES:
+        try:
+            problem = surface.check()
+        except Exception as exc:  # a check that cannot even run is a moved surface too
+            problem = f"check failed: {exc!r}"
+        if problem is not None:
+            found.append(f"{surface.name}: {problem} (used to: {surface.use})")
+    return found
+
+
+def versions_line() -> str:
+    checked = ", ".join(f"{name} {version}.x" for name, version in CHECKED_WITH.items())
+    return f"checked with {checked}; this process has torch {torch.__version__}, accelerate {accelerate.__version__}"
+
+
+def require_surfaces() -> None:
+    """Raise :class:`SurfaceChanged` naming every private attribute that moved, and the versions checked."""
+    found = problems()
+    if found:
+        lines = "\n  ".join(found)
+        raise SurfaceChanged(
+            f"hot recovery relies on private torch/accelerate attributes that moved ({versions_line()}):\n  {lines}"
+        )

@@ -1,0 +1,234 @@
+"""A DDP communication hook whose failures never reach the training loop.
+
+:class:`ResilientAllReduce` all-reduces (mean) each gradient bucket on the process group held by a
+:class:`GroupHolder`, which re-forming swaps, so the same registered hook serves every group the model ever trains
+in. Each bucket's all-reduce gets a bounded wait. When one fails (a peer died: gloo reports a reset connection) or
+runs past its deadline, or when :meth:`ResilientAllReduce.abort` is called from outside, the step is marked failed in
+the shared :class:`~elasticd.worker.hot.failure.StepHealth` and *every* bucket of the step still in flight is
+completed at once with its own, unreduced gradient: DDP waits for all buckets before the backward pass returns, so
+completing only the failed one would leave the step blocked on the next. Buckets that become ready after the failure
+complete at once without touching the broken group. The optimizer step is then skipped by the step guard.
+
+Why a copy is reduced rather than DDP's bucket itself: gloo in torch 2.13 cannot abort a pending collective (only
+``Work.wait(timeout)`` gives control back; ``abort()``, ``shutdown()`` and ``destroy_process_group()`` leave the
+operation running until the group's timeout). An abandoned all-reduce may therefore still write into its tensor
+seconds later; the copy (made anyway by the division by the world size) keeps that write away from the gradients.
+
+This module deliberately has no ``from __future__ import annotations``: DDP compares the hook's ``bucket`` annotation
+with ``dist.GradBucket`` itself and refuses a hook whose annotation is the string ``"dist.GradBucket"``.
+"""
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elasticd.worker.hot.errors import UnsupportedSetup
+from elasticd.worker.hot.failure import StepHealth
+
+# A backstop, not the detector: a dead peer makes gloo fail within milliseconds (connection reset), and a vanished
+# or hung one is the daemons' call (their verdict reaches the hook through abort()). A bucket's wait includes the
+# slowest peer's compute before it reaches the same bucket, which a rank-0-only evaluation can make minutes long, so
+# anything short would fail healthy steps.
+DEFAULT_BUCKET_TIMEOUT = timedelta(minutes=10)
+# How often an in-flight step asks whether it failed elsewhere: a survivor whose all-reduce waits on another survivor
+# that already gave up (only the peers of the dead rank see a reset connection) learns it within this time. Asked
+# only while a bucket is in flight, so a healthy step pays a few checks at most.
+DEFAULT_NOTICE_INTERVAL = timedelta(milliseconds=20)
+
+
+class GroupHolder:
+    """The process group gradients are reduced on; None means torch's current default group."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self._group = group
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is not None:
+            return self._group
+        default = dist.group.WORLD
+        if default is None:
+            raise RuntimeError("no process group: initialise one before the first backward pass")
+        return default
+
+    def set(self, group: dist.ProcessGroup | None) -> None:
+        self._group = group
+
+
+@dataclass(eq=False, slots=True)
+class _InFlight:
+    bucket: int
+    generation: int
+    gradient: torch.Tensor  # DDP's bucket, as this rank computed it: what the step gets back after a failure
+    reduced: torch.Tensor  # the copy the collective writes into
+    future: torch.futures.Future[torch.Tensor]
+    deadline: float  # time.monotonic() seconds
+    settled: bool = False
+
+
+class ResilientAllReduce:
+    """The hook's state: in-flight buckets, their deadlines and the thread that enforces them."""
+
+    def __init__(
+        self,
+        holder: GroupHolder,
+        health: StepHealth,
+        *,
+        timeout: timedelta = DEFAULT_BUCKET_TIMEOUT,
+        notice: Callable[[], str | None] | None = None,
+        notice_interval: timedelta = DEFAULT_NOTICE_INTERVAL,
+    ) -> None:
+        """``notice``, when given, is asked every ``notice_interval`` while a bucket is in flight (never otherwise)
+        whether the step is already known to have failed elsewhere; a reason fails the step at once."""
+        if timeout <= timedelta(0) or notice_interval <= timedelta(0):
+            raise ValueError(f"timeouts must be positive, got {timeout} and {notice_interval}")
+        self.holder = holder
+        self.health = health
+        self.timeout_s = timeout.total_seconds()
+        self.notice = notice
+        self.notice_interval_s = notice_interval.total_seconds()
+        self._cond = threading.Condition()
+        self._in_flight: list[_InFlight] = []
+        self._closed = False
+        self._watcher: threading.Thread | None = None
+
+    def register(self, model: Any) -> None:
+        """Register on ``model`` (the ``DistributedDataParallel`` that ``accelerator.prepare`` returned)."""
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise UnsupportedSetup(
+                "this model wrapper", f"expected DistributedDataParallel, got {type(model).__name__} (FSDP, DeepSpeed?)"
+            )
+        try:
+            model.register_comm_hook(state=self, hook=resilient_allreduce_hook)
+        except RuntimeError as exc:
+            if "only be called once" in str(exc):
+                raise UnsupportedSetup("a user communication hook", "the model already has one") from None
+            raise
+
+    # -- the hook ------------------------------------------------------------------------------------------------
+
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        gradient = bucket.buffer()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        generation = self.health.generation
+        if self.health.failed:
+            future.set_result(gradient)  # the step is lost already: leave the broken group alone
+            return future
+        group = self.holder.group
+        entry = _InFlight(
+            bucket=bucket.index(),
+            generation=generation,
+            gradient=gradient,
+            reduced=gradient / group.size(),
+            future=future,
+            deadline=time.monotonic() + self.timeout_s,
+        )
+        with self._cond:
+            if not self._in_flight:
+                self._cond.notify_all()  # the watcher idles while nothing is in flight; later deadlines come later
+            self._in_flight.append(entry)
+            self._ensure_watcher()
+        try:
+            # What dist.all_reduce calls underneath, without its registry lookup: the group held need not be
+            # registered (re-forming takes the old default group out of torch's registry).
+            work = group.allreduce([entry.reduced])
+            work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
+        except Exception as exc:  # a group that is already broken may refuse the call itself
+            self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} refused: {exc}", entry.bucket)
+        return future
+
+    def abort(self, reason: str, *, generation: int | None = None) -> None:
+        """Fail the step of ``generation`` (default: the current one): in-flight buckets complete unreduced, later
+        ones skip the collective. Thread-safe; for an out-of-band verdict (a peer declared dead or hung). A verdict
+        about a generation whose failure was already consumed changes nothing."""
+        self._fail(self.health.generation if generation is None else generation, reason, None)
+
+    def close(self) -> None:
+        """Stop the deadline watcher (in-flight buckets are left as they are)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5.0)
+
+    # -- completion ----------------------------------------------------------------------------------------------
+
+    def _on_done(self, entry: _InFlight, done: torch.futures.Future[Any]) -> None:
+        # Runs on gloo's thread when the collective ends, however late: keep it short, decide under the lock.
+        try:
+            done.value()
+        except Exception as exc:
+            self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} failed: {exc}", entry.bucket)
+            return
+        with self._cond:
+            if entry.settled:
+                return  # given up on already (deadline or another bucket's failure): its result is not used
+            entry.settled = True
+            self._in_flight.remove(entry)
+        entry.future.set_result(entry.reduced)
+
+    def _fail(self, generation: int, reason: str, bucket: int | None) -> None:
+        # Record first: the training thread may leave backward the moment the last future completes, and the step
+        # guard must then see the failure.
+        self.health.fail(reason, generation=generation, bucket=bucket)
+        with self._cond:
+            settled = [e for e in self._in_flight if e.generation <= generation]
+            for entry in settled:
+                entry.settled = True
+            self._in_flight = [e for e in self._in_flight if not e.settled]
+        for entry in settled:
+            entry.future.set_result(entry.gradient)
+
+    def _ensure_watcher(self) -> None:
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="elasticd-hot-deadline", daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        next_notice = 0.0  # a step is asked about only after its buckets have waited one interval
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
+                if not self._in_flight:
+                    self._cond.wait()
+                    next_notice = time.monotonic() + self.notice_interval_s
+                    continue
+                now = time.monotonic()
+                late = next((e for e in self._in_flight if e.deadline <= now), None)
+                ask = late is None and self.notice is not None and now >= next_notice
+                if late is None and not ask:
+                    wake = min(e.deadline for e in self._in_flight)
+                    if self.notice is not None:
+                        wake = min(wake, next_notice)
+                    self._cond.wait(timeout=wake - now)
+                    continue
+                generation = late.generation if late is not None else self._in_flight[0].generation
+            if late is not None:
+                self._fail(
+                    generation, f"all-reduce of bucket {late.bucket} timed out after {self.timeout_s:g}s", late.bucket
+                )
+                continue
+            next_notice = time.monotonic() + self.notice_interval_s
+            noticed = self._ask_notice()  # outside the lock: it may be a network round trip
+            if noticed is not None:
+                self._fail(generation, f"failure notice: {noticed}", None)
+
+    def _ask_notice(self) -> str | None:
+        if self.notice is None:
+            return None
+        try:
+            return self.notice()
+        except Exception:
+            return None  # an unreachable notice board must not end the watch: the deadline still bounds the wait
+
+
+def resilient_allreduce_hook(state: ResilientAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's entry point (``register_comm_hook(state, hook)``); the annotations are the ones DDP accepts."""
+    return state.reduce(bucket)

@@ -1,0 +1,190 @@
+"""Re-forming the process group in place: a new membership, the same processes, the same prepared objects.
+
+:meth:`Reformer.reform` takes a store that every member of the new group reaches (a fresh ``PrefixStore`` per
+membership epoch over elasticd's etcd store in production, a ``TCPStore`` in tests), this process's new rank and
+the new world size, and leaves the user's objects ready for the next step at that size:
+
+1. the old default group is taken out of torch's registry and *kept referenced* (:class:`AbandonedGroups`), then a
+   new default gloo group is formed over the store;
+2. the hook's :class:`~elasticd.worker.hot.comm_hook.GroupHolder` and the prepared ``DistributedDataParallel``
+   (``_update_process_group``) move to it;
+3. DDP's gradient buckets are re-synchronised: a survivor's reducer holds the layout it rebuilt from the gradient
+   order of its first steps, a joiner's fresh reducer the initial one, and an all-reduce of mismatched layouts mixes
+   unrelated gradients. Every member pushes all parameters as "rebuilt" and rebuilds now, which also broadcasts
+   rank 0's bucket indices, so the layouts agree and no rebuild (a collective) is left for the next forward pass.
+   The rebuilt layout follows parameter order, so later buckets no longer overlap with backward compute;
+4. accelerate's ``num_processes`` and ``process_index`` are set in *both* shared-state dicts (``PartialState`` and
+   ``AcceleratorState`` each keep a copy; ``_reset_state()`` is no use, the loop holds the old objects), and the
+   gradient accumulation of the new batch plan goes through accelerate's public setter.
+
+:func:`start_private_world` gives a joiner a default group of its own before ``Accelerator()`` so that accelerate
+adopts it and wraps the model in DDP; the joiner then re-forms into the running group like any member.
+
+Why the old group is never destroyed for real: dropping the last reference to a gloo group runs its destructor,
+which joins gloo's threads; with a collective the hook abandoned still pending (gloo in torch 2.13 cannot abort one)
+that blocks whichever line of the training loop happens to drop it until the old group's timeout (measured: 19 s
+of a 20 s timeout). Abandoned groups are released once that timeout has certainly passed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, PartialState
+from accelerate.utils import DistributedType
+
+from elasticd.worker.batching import BatchPlan
+from elasticd.worker.hot.canary import require_surfaces
+from elasticd.worker.hot.comm_hook import GroupHolder
+from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
+
+# The timeout of each group we form. It bounds how long a formation waits for a member that never comes, and how
+# long a collective abandoned by the hook holds one of gloo's threads (and keeps its group alive here): minutes, not
+# torch's 30-minute gloo default, and far above any healthy collective.
+DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
+# The group accelerate (or torchrun's environment) formed at start: its timeout is not ours to know; torch's default
+# for gloo is the longest it can be unless the user raised it.
+_INITIAL_GROUP_TIMEOUT_S = 30 * 60.0
+# Past the timeout, gloo still needs a moment to fail the operation and finish its threads.
+_RELEASE_MARGIN_S = 30.0
+_SUPPORTED = (DistributedType.MULTI_CPU,)
+
+
+@dataclass(frozen=True, slots=True)
+class Formation:
+    """The group this process now trains in."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world_size: int
+    seconds: float  # from the call to the group being usable: formation, DDP and accelerate updates
+
+
+class AbandonedGroups:
+    """Old process groups, referenced until any collective left pending in them has timed out."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._held: list[tuple[float, dist.ProcessGroup]] = []  # (release after, group)
+
+    def keep(self, group: dist.ProcessGroup, timeout_s: float) -> None:
+        self._held.append((self._clock() + timeout_s + _RELEASE_MARGIN_S, group))
+
+    def sweep(self) -> int:
+        """Release the groups whose pending collectives have certainly ended; returns how many were released."""
+        now = self._clock()
+        kept = [(until, group) for until, group in self._held if until > now]
+        released = len(self._held) - len(kept)
+        self._held = kept
+        return released
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+class Reformer:
+    """Moves one process's prepared model, hook and accelerate state to each new group."""
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.parallel.DistributedDataParallel,
+        holder: GroupHolder,
+        *,
+        backend: str = "gloo",
+        timeout: timedelta = DEFAULT_GROUP_TIMEOUT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        require_surfaces()
+        if accelerator.distributed_type not in _SUPPORTED:
+            raise UnsupportedSetup(
+                f"accelerate's {accelerator.distributed_type}", "hot recovery re-forms plain DDP on gloo (MULTI_CPU)"
+            )
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise UnsupportedSetup(
+                "this model wrapper", f"expected DistributedDataParallel, got {type(model).__name__}"
+            )
+        self.accelerator = accelerator
+        self.model = model
+        self.holder = holder
+        self.backend = backend
+        self.timeout = timeout
+        self._clock = clock
+        self.abandoned = AbandonedGroups(clock)
+        self._formed_here = False  # whether the current default group is one of ours (we know its timeout)
+
+    def reform(self, store: dist.Store, rank: int, world_size: int, plan: BatchPlan | None = None) -> Formation:
+        """Leave the current group and train as ``rank`` of ``world_size`` in a new one formed over ``store``.
+
+        Every member of the new group calls this with the same store and world size (a collective). ``plan`` is
+        the batch plan for the new world (:func:`~elasticd.worker.batching.plan_batches`), whose accumulation is
+        set; None keeps accelerate's. Raises :class:`ReformError` when the group cannot be formed or the buckets
+        cannot be agreed: hot recovery is then over for this process (fall back to the cold path).
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of {world_size}")
+        if plan is not None and plan.world_size != world_size:
+            raise ValueError(f"the batch plan is for a world of {plan.world_size}, not {world_size}")
+        started = self._clock()
+        self.abandoned.sweep()
+        self._leave_current()
+        try:
+            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
+        except Exception as exc:
+            raise ReformError(f"forming the group failed: {exc}", rank=rank, world_size=world_size) from exc
+        self._formed_here = True
+        group = dist.group.WORLD
+        assert group is not None
+        self.holder.set(group)
+        self.model._update_process_group(group)
+        self._resync_buckets(rank, world_size)
+        self._update_accelerate(rank, world_size, plan)
+        return Formation(group, rank, world_size, self._clock() - started)
+
+    def _leave_current(self) -> None:
+        old = dist.group.WORLD if dist.is_initialized() else None
+        if old is None:
+            return
+        dist.destroy_process_group()  # out of torch's registry; the object lives on in self.abandoned
+        timeout_s = self.timeout.total_seconds() if self._formed_here else _INITIAL_GROUP_TIMEOUT_S
+        self.abandoned.keep(old, timeout_s)
+
+    def _resync_buckets(self, rank: int, world_size: int) -> None:
+        reducer = self.model.reducer
+        reducer._push_all_rebuilt_params()
+        try:
+            # False (and no collective, on every member alike) where DDP never rebuilds: find_unused_parameters
+            # without a static graph keeps the initial layout, which every member then still has.
+            rebuilt = reducer._rebuild_buckets()
+        except Exception as exc:
+            raise ReformError(f"agreeing on DDP's buckets failed: {exc}", rank=rank, world_size=world_size) from exc
+        self.model._has_rebuilt_buckets = bool(rebuilt)  # what DDP's own forward would have recorded
+
+    def _update_accelerate(self, rank: int, world_size: int, plan: BatchPlan | None) -> None:
+        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+            shared["num_processes"] = world_size
+            shared["process_index"] = rank
+        if plan is not None:
+            self.accelerator.gradient_accumulation_steps = plan.accumulation
+        # accelerate counts micro-batches to know when to sync; a step restarts the count at any world size
+        self.accelerator.step = 0
+
+
+def start_private_world(*, backend: str = "gloo", timeout: timedelta = DEFAULT_GROUP_TIMEOUT) -> dist.ProcessGroup:
+    """A joiner's default group of one (over an in-memory store), to create before ``Accelerator()``.
+
+    accelerate adopts an initialised default group instead of forming one from the environment; it still needs to
+    see a distributed launch (``LOCAL_RANK`` set, as torchrun and elasticd do) to wrap the model in DDP.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("a process group exists already: a joiner starts its private world before anything else")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    group = dist.group.WORLD
+    assert group is not None
+    return group

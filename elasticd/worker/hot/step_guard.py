@@ -1,0 +1,61 @@
+"""The failed-step guard: a step whose gradients were not reduced never reaches the parameters or the LR schedule.
+
+:class:`FailedStepGuard` wraps the optimizer's ``step`` the way the non-finite guard (``elasticd/worker/guard.py``)
+does, and skips it through the same switch: accelerate's ``AcceleratedOptimizer._is_overflow``, which its
+``AcceleratedScheduler`` reads (``step_was_skipped``) to skip its own step. The two guards compose in either order on
+the same optimizer: installed first (inside the non-finite guard, which clears the flag before calling in) it sets
+the flag after; installed second it returns before the non-finite guard runs. Either way a failed step is neither a
+parameter update nor a non-finite event.
+
+Every survivor skips alike: a rank whose all-reduce failed skips its step; a rank whose all-reduce completed (the
+peer died after sending its last part) steps, and the heal then copies the state of the member with the most steps
+to everyone, so all members continue from one state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elasticd.worker.hot.errors import UnsupportedSetup
+from elasticd.worker.hot.failure import StepFailure, StepHealth
+
+
+class FailedStepGuard:
+    """Skips the optimizer step of a failed step; :meth:`take` says, once per step, whether it failed."""
+
+    def __init__(self, health: StepHealth) -> None:
+        self.health = health
+        self.skipped = 0  # optimizer steps skipped so far, for the caller's metrics
+
+    def install(self, optimizer: Any) -> None:
+        """Wrap ``optimizer.step`` (an accelerate ``AcceleratedOptimizer``)."""
+        if not hasattr(optimizer, "_is_overflow") or not hasattr(optimizer, "gradient_state"):
+            raise UnsupportedSetup(
+                "this optimizer", f"expected accelerate's AcceleratedOptimizer, got {type(optimizer).__name__}"
+            )
+        if getattr(optimizer, "scaler", None) is not None:
+            # A skipped scaler step leaves the scaler's per-optimizer state half-way (unscaled, no update), and
+            # the next step would fail on it: fp16 loss scaling is not carried through a failed step yet.
+            raise UnsupportedSetup("fp16 loss scaling", "use bf16 or fp32 with hot recovery")
+        original = optimizer.step
+
+        def step(closure: Any = None) -> Any:
+            if not optimizer.gradient_state.sync_gradients:
+                return original(closure)  # accumulating: accelerate does not step either
+            if self.health.failed:
+                optimizer._is_overflow = True  # accelerate's scheduler wrapper then skips its step too
+                self.skipped += 1
+                return None
+            # Without a scaler accelerate never clears the flag itself: after a skip the schedule would stop for good.
+            optimizer._is_overflow = False
+            return original(closure)
+
+        optimizer.step = step
+
+    def take(self) -> StepFailure | None:
+        """At the step boundary, after ``optimizer.step``: the failure of the step that just ended, if any.
+
+        Consuming it lets the hook reduce again; call it once per optimizer step, and re-form the group before the
+        next step when it returns a failure.
+        """
+        return self.health.consume()
