@@ -1,6 +1,6 @@
 """Every float option refuses nan, ±inf and values beyond 1e9 with one line and exit 2: from the command line,
-``ELASTICD_*`` env and the YAML config file alike. The options are found by walking the click commands, so a new float option is covered
-without touching this file."""
+``ELASTICD_*`` env and the YAML config file alike. The options are found by walking the click commands, so a new
+float option is covered without touching this file."""
 
 from __future__ import annotations
 
