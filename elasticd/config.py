@@ -93,21 +93,28 @@ def parse_nproc(value: str) -> int:
     return n
 
 
+# Largest magnitude of a float option: a billion seconds is 31 years, and larger values overflow the sleeps and
+# deadlines they end up in (time.sleep(1e308) raises OverflowError).
+MAX_NUMBER = 1e9
+
+
 def parse_number(value: object) -> float:
     """A finite number from a flag, an env value or a YAML value; ``ValueError`` naming the value otherwise.
 
-    Every numeric option goes through here (click's float options through ``cli.FiniteFloat``). nan and ±inf are
-    refused: nan passes every comparison, so no range check would catch it, and either one becomes a traceback or
-    a wait that never ends further in (a nan timeout, an inf sleep).
+    Every float option goes through here (click's through ``cli.FiniteFloat``; ``--hang-timeout`` and the
+    ``--rdzv-conf`` values too). nan and ±inf are refused: nan passes every comparison, so no range check would catch
+    it, and either one becomes a traceback or a wait that never ends further in (a nan timeout, an inf sleep).
     """
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         raise ValueError(f"{value!r} is not a number")
     try:
         number = float(value)
-    except ValueError:
+    except (ValueError, OverflowError):
         raise ValueError(f"{value!r} is not a number") from None
     if not math.isfinite(number):
         raise ValueError(f"{value!r} is not a finite number")
+    if abs(number) > MAX_NUMBER:
+        raise ValueError(f"{value!r} is beyond {MAX_NUMBER:g}")
     return number
 
 

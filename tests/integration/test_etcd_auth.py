@@ -152,15 +152,17 @@ def test_elasticd_etcd_starts_again_at_once_on_a_port_left_in_time_wait(tmp_path
         client.put("/probe", b"1")
     finally:
         assert _stop(proc) == 0
+    again = None
     try:
         # etcd closed the connections: the server side of each waits in TIME_WAIT (~60 s)
         waiting = [c for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port]
         assert any(c.status == "TIME_WAIT" for c in waiting), waiting
-        proc, _ = _start_dev_etcd(port, tmp_path / "d")
+        again, _ = _start_dev_etcd(port, tmp_path / "d")
         assert client.get("/probe") is not None  # same data dir, same password; the client logs in again
-        assert _stop(proc) == 0
     finally:
         client.close()
+        if again is not None:
+            assert _stop(again) == 0
 
 
 def test_daemon_on_its_embedded_etcd_refuses_other_clients_and_its_workers_commit(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
-"""Every float option refuses nan and ±inf with one line and exit 2: from the command line, ``ELASTICD_*`` env and
-the YAML config file alike. The options are found by walking the click commands, so a new float option is covered
-without touching this file."""
+"""Every float option refuses nan, ±inf and values beyond 1e9 with one line and exit 2: from the command line,
+``ELASTICD_*`` env and the YAML config file alike. The options are found by walking the click commands, so a new
+float option is covered without touching this file."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from elasticd.cli import SecondsOrAuto, cli, main
 from elasticd.config import RDZV_CONF_KEYS
 
-BAD = ["nan", "inf", "-inf"]
-YAML_BAD = {"nan": ".nan", "inf": ".inf", "-inf": "-.inf"}  # YAML's own floats, not strings
+BAD = ["nan", "inf", "-inf", "1e308"]
+YAML_BAD = {"nan": ".nan", "inf": ".inf", "-inf": "-.inf", "1e308": "1.0e+308"}  # YAML's own floats, not strings
 
 
 def _float_options() -> Iterator[tuple[str, click.Option]]:
@@ -68,7 +68,7 @@ def _assert_refused(code: int, err: str, ran: list[str], *needles: str) -> None:
 
 @pytest.mark.parametrize("value", BAD)
 @pytest.mark.parametrize(("command", "option"), FLOAT_OPTIONS)
-def test_float_option_on_the_command_line_refuses_nan_and_inf(
+def test_float_option_on_the_command_line_refuses_nan_inf_and_huge(
     command: str,
     option: click.Option,
     value: str,
@@ -82,7 +82,7 @@ def test_float_option_on_the_command_line_refuses_nan_and_inf(
 
 @pytest.mark.parametrize("value", BAD)
 @pytest.mark.parametrize(("command", "option"), FLOAT_OPTIONS)
-def test_float_option_from_the_environment_refuses_nan_and_inf(
+def test_float_option_from_the_environment_refuses_nan_inf_and_huge(
     command: str,
     option: click.Option,
     value: str,
@@ -99,7 +99,7 @@ def test_float_option_from_the_environment_refuses_nan_and_inf(
 
 @pytest.mark.parametrize("value", BAD)
 @pytest.mark.parametrize(("command", "option"), FLOAT_OPTIONS)
-def test_float_option_from_the_config_file_refuses_nan_and_inf(
+def test_float_option_from_the_config_file_refuses_nan_inf_and_huge(
     command: str,
     option: click.Option,
     value: str,
@@ -111,13 +111,13 @@ def test_float_option_from_the_config_file_refuses_nan_and_inf(
     config = script.parent / "elasticd.yaml"
     config.write_text(f"{key}: {YAML_BAD[value]}\n")
     code, err = _run(command, ["--config", str(config)], script, capsys)
-    _assert_refused(code, err, nothing_runs, str(config), key, value)
+    _assert_refused(code, err, nothing_runs, str(config), key, str(float(value)))  # as YAML read it: 1e+308
 
 
 @pytest.mark.parametrize("value", BAD)
 @pytest.mark.parametrize("key", sorted(RDZV_CONF_KEYS))
 @pytest.mark.parametrize("source", ["cli", "env", "file"])
-def test_rdzv_conf_value_refuses_nan_and_inf(
+def test_rdzv_conf_value_refuses_nan_inf_and_huge(
     key: str,
     value: str,
     source: str,
