@@ -106,6 +106,17 @@ class HangHandler:
             self._metrics.hang_timeout_seconds.set(timeout)
         return suspicion
 
+    def exiting(self) -> bool:
+        """Whether a local worker is on its way out (an exception escaped its script), within its exit allowance:
+        a failure that torch's monitor is about to report, which no planned change should pre-empt."""
+        now = self._clock()
+        for slot in self.watchdog.slots().values():
+            if slot is not None and slot.phase is Phase.EXITING:
+                allowance = self.watchdog.allowance(slot)
+                if allowance is not None and now - slot.progress_t <= allowance:
+                    return True
+        return False
+
     def peer_claim(self, round_: int) -> str | None:
         if self._agreement is None:
             return None

@@ -317,7 +317,11 @@ class ElasticdAgent(LocalElasticAgent):
                 if _group_state(again.state) is GroupState.FAILED:
                     result, state, hang = again, GroupState.FAILED, None
                     worker_group.state = again.state
-            waiting = self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY else 0
+            # a worker on its way out (an exception escaped) is a failure about to be reported: no join first
+            failing = state is GroupState.HEALTHY and self.hangs is not None and self.hangs.exiting()
+            waiting = (
+                self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY and not failing else 0
+            )
             fatal = self.reports.fatal
             decision = self._policy.decide(
                 Observation(

@@ -102,3 +102,19 @@ def test_a_worker_stuck_in_its_exit_beyond_the_exit_allowance_is_a_hang_after_al
     assert report is not None and "hang_abandoned" not in events.names()
     assert "hang_diagnosed" in events.names() and report.path
     slot.close()
+
+
+def test_a_worker_on_its_way_out_holds_off_planned_changes_until_its_allowance_is_spent(tmp_path: Path) -> None:
+    # the supervisor does not take a peer's join for a membership restart while a local worker is exiting: the
+    # failure torch's monitor is about to report is the restart's reason
+    hangs = handler(tmp_path, Events(), exited=set())
+    assert not hangs.exiting()
+    slot = SlotWriter(slot_path(tmp_path / "board", 0), pid=os.getpid())
+    slot.resumed(3)
+    assert not hangs.exiting()
+    slot.set_phase(Phase.EXITING)
+    assert hangs.exiting()
+    hangs.watchdog.startup_s = 0.01  # the exit allowance is capped by it
+    time.sleep(0.05)
+    assert not hangs.exiting()  # stuck in its exit: watched as a hang again, not waited for
+    slot.close()
