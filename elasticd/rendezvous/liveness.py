@@ -27,7 +27,9 @@ _PHASES = (
     ("MASTER_PORT", "store_address"),
     ("torchelastic/role_info/", "rank_assignment"),
     ("torchelastic/assigned_ranks/", "rank_assignment"),
+    ("elasticd/training_nodes", "rank_assignment"),  # agent/spares.py: how many nodes train, before torch's ranks
     ("elasticd/node/", "node_ids"),
+    ("elasticd/token", "fencing_token"),  # agent/supervisor.py: the round's fencing token (elasticd/lineage.py)
 )
 
 
@@ -60,7 +62,8 @@ class RoundAbandonedError(ElasticdError):
 
     @property
     def phase(self) -> str:
-        """What the round was waiting for: ``store_address``, ``rank_assignment``, ``node_ids`` or ``unknown``."""
+        """What the round was waiting for: ``store_address``, ``rank_assignment``, ``node_ids``, ``fencing_token``
+        or ``unknown``."""
         return phase_of(self.keys)
 
     def with_keys(self, keys: Iterable[str]) -> RoundAbandonedError:
