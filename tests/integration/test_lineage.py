@@ -17,7 +17,7 @@ from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage, new_token, writer_id
 from elasticd.worker.checkpoints import MANIFEST, Checkpoint, CheckpointStore
-from tests.integration.cluster import Cluster, read_json_lines, train_args, wait_until
+from tests.integration.cluster import Cluster, train_args, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -121,10 +121,6 @@ def _stopped_daemon(cluster: Cluster) -> str | None:
     return None
 
 
-def _events(path: Path, name: str) -> list[dict[str, object]]:
-    return [e for e in read_json_lines(path) if e.get("event") == name]
-
-
 @pytest.mark.timeout(420)
 def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loaded(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     # Rank 0 of the first round freezes its whole node (daemon and worker, SIGSTOP) with the checkpoint of step 20
@@ -162,7 +158,7 @@ def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loa
                 process.send_signal(signal.SIGCONT)
 
             def fenced() -> bool:
-                return any(e.get("step") == 20 for e in _events(node.err, "checkpoint_fenced"))
+                return any(e.get("step") == 20 for e in node.events("checkpoint_fenced"))
 
             wait_until(fenced, 120, f"{frozen}: its commit of step 20 refused")
             for other in cluster.nodes.values():
@@ -188,7 +184,7 @@ def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loa
     assert not stale_partial.exists(), "the stale writer's directory must be gone"
     recorded_dirs = {str(store.dir / r.dir) for r in records}
     for name, each in cluster.nodes.items():
-        for resumed in _events(each.err, "resumed"):
+        for resumed in each.events("resumed"):
             assert resumed["path"] in recorded_dirs, (
                 f"{name} loaded {resumed['path']}, which the lineage never recorded"
             )
