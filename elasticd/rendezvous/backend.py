@@ -46,6 +46,8 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         self._lock = threading.Lock()
         self._lease_id: int | None = None
         self._lease_refreshed_at = 0.0
+        # the state's revision as each thread last read or wrote it (rendezvous/wakeup.py watches from there)
+        self._seen = threading.local()
 
     @property
     def name(self) -> str:
@@ -61,12 +63,18 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
         """The lease this backend writes the state on (None before its first write)."""
         return self._lease_id
 
+    def last_revision(self) -> int | None:
+        """The state's mod_revision as the calling thread last saw it (None: no state, or not read yet)."""
+        revision: int | None = getattr(self._seen, "revision", None)
+        return revision
+
     def get_state(self) -> tuple[bytes, Token] | None:
         """See base class; the token is the key's mod_revision."""
         try:
             current = self._client.get(self._key)
         except EtcdError as exc:
             raise _connection_error(exc) from exc
+        self._seen.revision = None if current is None else current[1]
         return None if current is None else self._checked(current)
 
     def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
@@ -86,6 +94,7 @@ class EtcdV3RendezvousBackend(RendezvousBackend):
             result = self._put_if(state, expected)
         except EtcdError as exc:
             raise _connection_error(exc) from exc
+        self._seen.revision = None if result.current is None else result.current[1]
         if result.current is None:
             return None
         value, revision = self._checked(result.current)

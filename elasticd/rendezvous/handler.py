@@ -25,6 +25,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     DynamicRendezvousHandler,
     RendezvousTimeout,
     _Action,
+    _BackendRendezvousStateHolder,
     _RendezvousContext,
 )
 
@@ -33,9 +34,11 @@ from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys, validate_run_id
-from elasticd.rendezvous import faults
+from elasticd.logging import get_logger
+from elasticd.rendezvous import faults, wakeup
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.liveness import RoundView, RoundWatch
+from elasticd.rendezvous.quorum import CloseWhenEveryoneIsIn, ReformingExecutor, StateHandler
 from elasticd.rendezvous.store import EtcdV3Store
 
 BACKEND_NAME = "etcd-v3"
@@ -72,6 +75,30 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
     _round_store: EtcdV3Store | None = None
     _formed: Callable[[], bool] | None = None
     _on_lost: Callable[[dict[str, int], dict[str, int]], None] | None = None
+    state_wakeup: wakeup.StateWakeup | None = None
+    _closing_round: int | None = None
+    closed_early: int = 0  # rounds this node saw closed without the last call
+
+    def reform_fast(self, client: EtcdClient, backend: EtcdV3RendezvousBackend) -> bool:
+        """Rendezvous waits that end when the state changes (``wakeup.py``) and re-forming rounds that close as
+        soon as every live node is in (``quorum.py``). False, torch's behaviour kept, when torch's private parts
+        these rely on moved (logged once, with what moved)."""
+        holder = self._state_holder
+        if not isinstance(holder, _BackendRendezvousStateHolder) or not wakeup.install():
+            get_logger().warning("rendezvous_polling", reason="; ".join(wakeup.surface_problems()) or "no holder")
+            return False
+        self.state_wakeup = wakeup.StateWakeup(
+            client, backend.key, backend.last_revision, holder, self._this_node, self._settings
+        )
+        self._op_executor = ReformingExecutor(self._op_executor, self._closing_early, self.state_wakeup.active)
+        return True
+
+    def _closing_early(self, join: StateHandler) -> StateHandler:
+        # Only a node that has formed a round before: at a job's start, nodes still starting need the last call.
+        return CloseWhenEveryoneIsIn(join, lambda: self._completed_round is not None, self._closed_early)
+
+    def _closed_early(self, round_: int, nodes: int) -> None:
+        self._closing_round = round_  # logged once the round is ours (another node's close may win the race)
 
     @property
     def use_agent_store(self) -> bool:
@@ -86,6 +113,11 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
         self.end_round_watch()
         info = super().next_rendezvous()  # publishing the store address waits through _get_store's bounded store
         self._completed_round = self._state_holder.state.round
+        if self._closing_round == self._completed_round:
+            self.closed_early += 1
+            last_call_s = self._settings.timeout.last_call.total_seconds()
+            get_logger().info("rendezvous_closed_early", round=self._completed_round, last_call_skipped_s=last_call_s)
+        self._closing_round = None
         faults.maybe_die("published", rank=info.rank, round_=self._completed_round)
         return info
 
@@ -223,11 +255,12 @@ def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:
         heartbeat=timedelta(seconds=_seconds(params, "heartbeat_timeout", HEARTBEAT_TIMEOUT_S)),
     )
     keys = RunKeys(params.run_id)
+    backend = EtcdV3RendezvousBackend(client, params.run_id)
     # from_backend constructs through cls(...), so this returns our subclass with torch's own wiring.
     handler = ElasticdRendezvousHandler.from_backend(
         params.run_id,
         EtcdV3Store(client, keys.store_prefix),
-        EtcdV3RendezvousBackend(client, params.run_id),
+        backend,
         params.min_nodes,
         params.max_nodes,
         params.local_addr,
@@ -236,6 +269,7 @@ def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:
         keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT),
     )
     assert isinstance(handler, ElasticdRendezvousHandler)
+    handler.reform_fast(client, backend)
     return handler
 
 

@@ -1,0 +1,105 @@
+"""A running job re-forms without sitting out the last call, and its waits end on etcd changes: our handler on a real
+etcd, handlers of one process standing in for nodes (as in test_round_liveness.py).
+
+The last call is set far longer than any of these tests may take, so a round that waited it would fail them by the
+test timeout; the first round of a job must still wait it for a node that starts a moment late.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParameters
+
+from elasticd import envvars
+from elasticd.etcd.server import EmbeddedEtcd
+from elasticd.rendezvous import handler as rdzv
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+LONG_LAST_CALL_S = 90  # longer than the joins may take: a round that waits it fails the test
+# A node left out of every round gives up after this (torch raises RendezvousTimeoutError): the test fails instead
+# of hanging on a thread that never returns.
+JOIN_TIMEOUT_S = 40
+
+
+def _all(fns: list[Callable[[], Any]]) -> list[Any]:
+    with ThreadPoolExecutor(len(fns)) as pool:
+        return list(pool.map(lambda fn: fn(), fns))
+
+
+@pytest.fixture
+def make(etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """make(max_nodes, last_call_s) -> a handler (a node) of this test's run."""
+    monkeypatch.setenv(envvars.TORCH_DISABLE_SHARED_STORE, "1")  # next_rendezvous sets it; restored after
+    run_id = request.node.name[:40]
+    made: list[rdzv.ElasticdRendezvousHandler] = []
+
+    def handler(max_nodes: int, last_call_s: float) -> rdzv.ElasticdRendezvousHandler:
+        params = RendezvousParameters(
+            "etcd-v3",
+            etcd.endpoint,
+            run_id,
+            2,
+            max_nodes,
+            local_addr="127.0.0.1",
+            last_call_timeout=last_call_s,
+            join_timeout=JOIN_TIMEOUT_S,
+        )
+        made.append(rdzv.create_handler(params))
+        return made[-1]
+
+    yield handler
+    for h in made:
+        h._stop_heartbeats()
+
+
+def _formed(infos: list[RendezvousInfo], size: int) -> None:
+    assert sorted(i.rank for i in infos) == list(range(size)) and {i.world_size for i in infos} == {size}
+
+
+def test_survivors_of_a_node_loss_reform_as_soon_as_its_keep_alive_expired(make: Any) -> None:
+    nodes = [make(3, LONG_LAST_CALL_S) for _ in range(3)]
+    _formed(_all([h.next_rendezvous for h in nodes]), 3)  # max_nodes reached: torch closes at once
+    nodes[2]._stop_heartbeats()  # node 2 dies: no heartbeat, no write from now on
+    survivors = nodes[:2]
+    _formed(_all([h.next_rendezvous for h in survivors]), 2)  # would sit out 90 s without the early close
+    assert sum(h.closed_early for h in survivors) >= 1
+    assert all(h.round == nodes[0].round for h in survivors)
+    # their waits ended on etcd changes (the other survivor's writes), not on whole-second polls alone
+    assert sum(h.state_wakeup.woken["change"] for h in survivors) > 0
+
+
+def test_a_join_reforms_the_running_group_without_the_last_call(make: Any) -> None:
+    # max_nodes 5, so neither round fills up (torch would close a full round itself); the job's first round waits
+    # its short last call, the re-formation for the joiner would wait the long one of whoever brings min_nodes
+    running = [make(5, 2.0) for _ in range(3)]
+    _formed(_all([h.next_rendezvous for h in running]), 3)
+    assert sum(h.closed_early for h in running) == 0  # the first round of a job is not closed early
+    joiner = make(5, LONG_LAST_CALL_S)
+    with ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(joiner.next_rendezvous)  # waits in the list for the next round
+        deadline = time.monotonic() + 60
+        while running[0].num_nodes_waiting() == 0:  # what the agents' monitor loop sees
+            assert time.monotonic() < deadline, "the joiner never showed up as waiting"
+            time.sleep(0.1)
+        infos = _all([h.next_rendezvous for h in running])
+        _formed([*infos, joined.result(timeout=60)], 4)
+    assert sum(h.closed_early for h in [*running, joiner]) >= 1
+
+
+def test_the_first_round_of_a_job_waits_the_last_call_for_a_node_that_starts_late(make: Any) -> None:
+    early = [make(3, 4.0) for _ in range(2)]
+    late = make(3, 4.0)
+
+    def join_late() -> RendezvousInfo:
+        time.sleep(1.0)  # starts a second after the others: the 4 s last call is for it
+        return late.next_rendezvous()
+
+    infos = _all([early[0].next_rendezvous, early[1].next_rendezvous, join_late])
+    _formed(infos, 3)
+    assert sum(h.closed_early for h in [*early, late]) == 0

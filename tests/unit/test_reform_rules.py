@@ -1,0 +1,158 @@
+"""The two rules that speed up a re-forming round, decided on torch's rendezvous state alone (no etcd, no process):
+when a forming round may close without the last call (quorum.py), and when the next wait must end (wakeup.py)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _Action,
+    _NodeDesc,
+    _RendezvousContext,
+    _RendezvousState,
+)
+
+from elasticd.rendezvous import wakeup
+from elasticd.rendezvous.quorum import CloseWhenEveryoneIsIn, everyone_in
+
+NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
+A, B, C = (_NodeDesc("127.0.0.1", pid, 0) for pid in (101, 102, 103))
+
+
+def _settings(min_nodes: int = 2, max_nodes: int = 3) -> RendezvousSettings:
+    return RendezvousSettings(
+        "run", min_nodes, max_nodes, RendezvousTimeout(last_call=timedelta(seconds=2)), timedelta(seconds=1), 3
+    )
+
+
+def _forming(*participants: _NodeDesc, waiting: tuple[_NodeDesc, ...] = ()) -> _RendezvousState:
+    """A round that torch's last call is running for: ``participants`` joined, ``waiting`` wait for the next."""
+    state = _RendezvousState()
+    state.round = 4
+    for node in participants:
+        state.participants[node] = 0
+    state.wait_list = set(waiting)
+    state.last_heartbeats = {node: NOW for node in (*participants, *waiting)}
+    state.deadline = NOW + timedelta(seconds=2)
+    return state
+
+
+def _ctx(state: _RendezvousState, node: _NodeDesc = A, **settings: Any) -> _RendezvousContext:
+    return _RendezvousContext(node, state, _settings(**settings))
+
+
+def test_a_round_holding_every_node_with_a_heartbeat_may_close() -> None:
+    assert everyone_in(_ctx(_forming(A, B)))
+
+
+@pytest.mark.parametrize(
+    ("state", "why"),
+    [
+        (_forming(A, B, waiting=(C,)), "a node waits to join"),
+        (_forming(A), "fewer than min_nodes"),
+        (_forming(B, C), "this node is not in the round"),
+    ],
+)
+def test_a_round_does_not_close_early_while(state: _RendezvousState, why: str) -> None:
+    assert not everyone_in(_ctx(state)), why
+
+
+def test_a_live_node_outside_the_round_keeps_it_open() -> None:
+    state = _forming(A, B)
+    state.last_heartbeats[C] = NOW  # e.g. a member of the previous round that has not left it yet
+    assert not everyone_in(_ctx(state))
+
+
+def test_a_complete_or_closed_round_or_one_without_a_last_call_is_left_to_torch() -> None:
+    complete, closed, no_deadline = _forming(A, B), _forming(A, B), _forming(A, B)
+    complete.complete, closed.closed, no_deadline.deadline = True, True, None
+    for state in (complete, closed, no_deadline):
+        assert not everyone_in(_ctx(state))
+
+
+def test_more_participants_than_max_nodes_never_close() -> None:
+    assert not everyone_in(_ctx(_forming(A, B, C), max_nodes=2))
+
+
+def test_the_join_closes_only_where_torch_would_wait_and_only_when_enabled() -> None:
+    closed: list[tuple[int, int]] = []
+    state = _forming(A, B)
+    ctx = _ctx(state)
+    waiting = CloseWhenEveryoneIsIn(lambda c, d: _Action.SYNC, lambda: True, lambda r, n: closed.append((r, n)))
+    assert waiting(ctx, 0.0) is _Action.MARK_RENDEZVOUS_COMPLETE
+    assert closed == [(4, 2)]
+    first_round = CloseWhenEveryoneIsIn(lambda c, d: _Action.SYNC, lambda: False, lambda r, n: closed.append((r, n)))
+    assert first_round(ctx, 0.0) is _Action.SYNC
+    acting = CloseWhenEveryoneIsIn(lambda c, d: _Action.KEEP_ALIVE, lambda: True, lambda r, n: closed.append((r, n)))
+    assert acting(ctx, 0.0) is _Action.KEEP_ALIVE  # torch's own action goes first
+    assert closed == [(4, 2)]
+
+
+class _Holder:
+    def __init__(self, state: _RendezvousState) -> None:
+        self.state = state
+        self._last_sync_time = 5.0
+
+
+def _wakeup(state: _RendezvousState, now: datetime = NOW) -> wakeup.StateWakeup:
+    return wakeup.StateWakeup(
+        None,  # type: ignore[arg-type]  # due_in reads no etcd
+        "/key",
+        lambda: None,
+        _Holder(state),  # type: ignore[arg-type]
+        A,
+        _settings(),
+        now=lambda: now,
+    )
+
+
+def test_the_next_wait_ends_at_the_earliest_due_time_of_the_state() -> None:
+    state = _forming(A, B)
+    state.deadline = NOW + timedelta(seconds=1.5)
+    state.last_heartbeats = {A: NOW - timedelta(seconds=0.2), B: NOW - timedelta(seconds=2.6)}
+    # ours is due in 0.8 s, B expires in 0.4 s (3 x 1 s after its beat), the last call ends in 1.5 s
+    assert _wakeup(state).due_in(state) == pytest.approx(0.4 + wakeup.DUE_MARGIN_S)
+
+
+def test_times_already_past_do_not_shorten_the_wait() -> None:
+    state = _forming(A, B)
+    state.deadline = NOW - timedelta(seconds=1)
+    state.last_heartbeats = {A: NOW - timedelta(seconds=5), B: NOW - timedelta(seconds=9)}
+    assert _wakeup(state).due_in(state) is None
+
+
+def test_the_last_call_of_a_complete_round_is_not_a_due_time() -> None:
+    state = _forming(A)
+    state.complete, state.last_heartbeats = True, {}
+    assert _wakeup(state).due_in(state) is None
+
+
+def test_a_wait_without_a_known_revision_sleeps_and_the_next_read_skips_torchs_cache() -> None:
+    state = _forming(A, B)
+    state.last_heartbeats = {}
+    slept: list[float] = []
+    waker = wakeup.StateWakeup(
+        None,  # type: ignore[arg-type]
+        "/key",
+        lambda: None,
+        _Holder(state),  # type: ignore[arg-type]
+        A,
+        _settings(),
+        sleep=slept.append,
+        now=lambda: NOW,
+    )
+    state.deadline = NOW + timedelta(seconds=0.3)
+    waker.wait(1.0)
+    assert slept == [pytest.approx(0.3 + wakeup.DUE_MARGIN_S)]
+    assert waker.woken == {"change": 0, "due": 1, "poll": 0}
+    assert waker._holder._last_sync_time == -1
+
+
+def test_torchs_private_rendezvous_parts_are_where_the_wakeup_expects_them() -> None:
+    """The canary: when this fails after a torch upgrade, re-read dynamic_rendezvous.py and adapt wakeup.py."""
+    assert wakeup.surface_problems() == []
+    assert wakeup.install()
