@@ -77,6 +77,7 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
     _on_lost: Callable[[dict[str, int], dict[str, int]], None] | None = None
     state_wakeup: wakeup.StateWakeup | None = None
     _closing_round: int | None = None
+    _closing: CloseWhenEveryoneIsIn | None = None
     closed_early: int = 0  # rounds this node saw closed without the last call
 
     def reform_fast(self, client: EtcdClient, backend: EtcdV3RendezvousBackend) -> bool:
@@ -88,14 +89,21 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
             get_logger().warning("rendezvous_polling", reason="; ".join(wakeup.surface_problems()) or "no holder")
             return False
         self.state_wakeup = wakeup.StateWakeup(
-            client, backend.key, backend.last_revision, holder, self._this_node, self._settings
+            client,
+            backend.key,
+            backend.last_revision,
+            holder,
+            self._this_node,
+            self._settings,
+            also_due=lambda: None if self._closing is None else self._closing.due_in(),
         )
         self._op_executor = ReformingExecutor(self._op_executor, self._closing_early, self.state_wakeup.active)
         return True
 
     def _closing_early(self, join: StateHandler) -> StateHandler:
         # Only a node that has formed a round before: at a job's start, nodes still starting need the last call.
-        return CloseWhenEveryoneIsIn(join, lambda: self._completed_round is not None, self._closed_early)
+        self._closing = CloseWhenEveryoneIsIn(join, lambda: self._completed_round is not None, self._closed_early)
+        return self._closing
 
     def _closed_early(self, round_: int, nodes: int) -> None:
         self._closing_round = round_  # logged once the round is ours (another node's close may win the race)

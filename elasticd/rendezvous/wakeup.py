@@ -81,7 +81,8 @@ class StateWakeup:
     """Waits of one handler's rendezvous operations, ended by a change of the state key or a due time.
 
     ``revision()`` is the state's mod_revision as the calling thread last read it (None: not known, sleep instead),
-    ``holder`` the handler's state holder whose cache is bypassed after each wait.
+    ``holder`` the handler's state holder whose cache is bypassed after each wait, ``also_due()`` the seconds until
+    a due time the state does not hold (None: none).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class StateWakeup:
         node: _NodeDesc,
         settings: RendezvousSettings,
         *,
+        also_due: Callable[[], float | None] = lambda: None,
         sleep: Callable[[float], None] = time.sleep,
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
     ) -> None:
@@ -102,6 +104,7 @@ class StateWakeup:
         self._holder = holder
         self._node = node
         self._settings = settings
+        self._also_due = also_due  # seconds until a due time of the handler's own (quorum.py's grace)
         self._sleep = sleep
         self._now = now
         # why each wait ended, for tests and the curious: "change", "due" (a time in the state), "poll" (torch's 1 s)
@@ -119,8 +122,8 @@ class StateWakeup:
 
     def wait(self, max_s: float) -> None:
         """Until the state changes, its next due time, or ``max_s`` seconds; then force the next read."""
-        due_s = self.due_in(self._holder.state)
-        timeout_s = max_s if due_s is None else min(due_s, max_s)
+        due = [s for s in (self.due_in(self._holder.state), self._also_due()) if s is not None]
+        timeout_s = min([*due, max_s])
         revision = self._revision()
         changed = False
         if revision is None:

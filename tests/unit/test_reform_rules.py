@@ -78,18 +78,72 @@ def test_more_participants_than_max_nodes_never_close() -> None:
     assert not everyone_in(_ctx(_forming(A, B, C), max_nodes=2))
 
 
-def test_the_join_closes_only_where_torch_would_wait_and_only_when_enabled() -> None:
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _join(action: _Action, enabled: bool, closed: list[tuple[int, int]], clock: _Clock) -> CloseWhenEveryoneIsIn:
+    return CloseWhenEveryoneIsIn(
+        lambda c, d: action, lambda: enabled, lambda r, n: closed.append((r, n)), grace_s=0.5, clock=clock
+    )
+
+
+def test_the_join_closes_once_everyone_has_been_in_for_the_grace() -> None:
     closed: list[tuple[int, int]] = []
-    state = _forming(A, B)
-    ctx = _ctx(state)
-    waiting = CloseWhenEveryoneIsIn(lambda c, d: _Action.SYNC, lambda: True, lambda r, n: closed.append((r, n)))
-    assert waiting(ctx, 0.0) is _Action.MARK_RENDEZVOUS_COMPLETE
+    clock = _Clock()
+    join = _join(_Action.SYNC, True, closed, clock)
+    ctx = _ctx(_forming(A, B))
+    assert join(ctx, 0.0) is _Action.SYNC  # everyone in: the grace starts
+    assert join.due_in() == pytest.approx(0.5)
+    clock.now += 0.25
+    assert join(ctx, 0.0) is _Action.SYNC
+    assert join.due_in() == pytest.approx(0.25)
+    clock.now += 0.25
+    assert join(ctx, 0.0) is _Action.MARK_RENDEZVOUS_COMPLETE
     assert closed == [(4, 2)]
-    first_round = CloseWhenEveryoneIsIn(lambda c, d: _Action.SYNC, lambda: False, lambda r, n: closed.append((r, n)))
-    assert first_round(ctx, 0.0) is _Action.SYNC
-    acting = CloseWhenEveryoneIsIn(lambda c, d: _Action.KEEP_ALIVE, lambda: True, lambda r, n: closed.append((r, n)))
-    assert acting(ctx, 0.0) is _Action.KEEP_ALIVE  # torch's own action goes first
-    assert closed == [(4, 2)]
+
+
+def test_a_change_of_the_participants_restarts_the_grace() -> None:
+    closed: list[tuple[int, int]] = []
+    clock = _Clock()
+    join = _join(_Action.SYNC, True, closed, clock)
+    assert join(_ctx(_forming(A, B)), 0.0) is _Action.SYNC
+    clock.now += 0.375
+    assert join(_ctx(_forming(A, B, C)), 0.0) is _Action.SYNC  # C came in: a new set, a new grace
+    clock.now += 0.375
+    assert join(_ctx(_forming(A, B, C)), 0.0) is _Action.SYNC
+    clock.now += 0.125
+    assert join(_ctx(_forming(A, B, C)), 0.0) is _Action.MARK_RENDEZVOUS_COMPLETE
+    assert closed == [(4, 3)]
+
+
+def test_a_node_seen_waiting_during_the_grace_keeps_the_round_open() -> None:
+    closed: list[tuple[int, int]] = []
+    clock = _Clock()
+    join = _join(_Action.SYNC, True, closed, clock)
+    assert join(_ctx(_forming(A, B)), 0.0) is _Action.SYNC
+    clock.now += 0.2
+    assert join(_ctx(_forming(A, B, waiting=(C,))), 0.0) is _Action.SYNC  # C between two rounds shows up
+    assert join.due_in() is None
+    clock.now += 1.0
+    assert join(_ctx(_forming(A, B, waiting=(C,))), 0.0) is _Action.SYNC
+    assert closed == []
+
+
+def test_the_join_leaves_torchs_own_actions_and_first_rounds_alone() -> None:
+    closed: list[tuple[int, int]] = []
+    clock = _Clock()
+    first_round = _join(_Action.SYNC, False, closed, clock)
+    acting = _join(_Action.KEEP_ALIVE, True, closed, clock)
+    for _ in range(2):
+        assert first_round(_ctx(_forming(A, B)), 0.0) is _Action.SYNC
+        assert acting(_ctx(_forming(A, B)), 0.0) is _Action.KEEP_ALIVE
+        clock.now += 1.0
+    assert closed == []
 
 
 class _Holder:
@@ -148,6 +202,27 @@ def test_a_wait_without_a_known_revision_sleeps_and_the_next_read_skips_torchs_c
     state.deadline = NOW + timedelta(seconds=0.3)
     waker.wait(1.0)
     assert slept == [pytest.approx(0.3 + wakeup.DUE_MARGIN_S)]
+    assert waker.woken == {"change": 0, "due": 1, "poll": 0}
+    assert waker._holder._last_sync_time == -1
+
+
+def test_a_due_time_of_the_handler_ends_the_wait_too() -> None:
+    state = _forming(A, B)
+    state.last_heartbeats, state.deadline = {}, None
+    slept: list[float] = []
+    waker = wakeup.StateWakeup(
+        None,  # type: ignore[arg-type]
+        "/key",
+        lambda: None,
+        _Holder(state),  # type: ignore[arg-type]
+        A,
+        _settings(),
+        also_due=lambda: 0.12,
+        sleep=slept.append,
+        now=lambda: NOW,
+    )
+    waker.wait(1.0)
+    assert slept == [pytest.approx(0.12)]
     assert waker.woken == {"change": 0, "due": 1, "poll": 0}
     assert waker._holder._last_sync_time == -1
 
