@@ -72,6 +72,18 @@ class RunKeys:
         return f"{self.lineage_checkpoints_prefix}{step:012d}"
 
     @property
+    def membership_epoch(self) -> str:
+        """The current membership epoch of hot recovery (JSON, elasticd/membership.py)."""
+        return f"{self.prefix}membership/epoch"
+
+    def membership_bids_prefix(self, epoch: int) -> str:
+        return f"{self.prefix}membership/bids/{epoch:012d}/"
+
+    def membership_bid(self, epoch: int, member: str) -> str:
+        """A member's bid to be in ``epoch`` (JSON: its old rank and committed step)."""
+        return f"{self.membership_bids_prefix(epoch)}{member}"
+
+    @property
     def plan(self) -> str:
         """The batch constraint the workers reported (JSON): which node counts train (``agent/spares.py``)."""
         return f"{self.prefix}plan"

@@ -251,6 +251,17 @@ class EtcdClient:
         )
         return bool(succeeded)
 
+    def put_all_if_revision(self, guard_key: str, mod_revision: int, items: dict[str, bytes | str]) -> bool:
+        """Write every key of ``items`` in one transaction, only if ``guard_key``'s mod_revision is ``mod_revision``
+        (0: only if it is absent); True when written (all of them), False when not (none of them)."""
+        tx = self._raw.transactions
+        puts = [tx.put(key, value) for key, value in items.items()]
+        succeeded, _ = self._call(
+            "compare-and-swap",
+            lambda: self._raw.transaction(compare=[tx.mod(guard_key) == mod_revision], success=puts, failure=[]),
+        )
+        return bool(succeeded)
+
     def create(self, key: str, value: bytes | str, lease_id: int | None = None) -> bool:
         """Write only if ``key`` is absent; True when written."""
         return self.put_if(key, value, 0, lease_id).succeeded

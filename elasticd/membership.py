@@ -1,0 +1,178 @@
+"""Membership epochs for recovery in place: who trains now, decided by one etcd transaction that also moves the fence.
+
+Keys of a run (``elasticd/keys.py``)::
+
+    membership/epoch                    the decision in force: number, members in rank order, heal source, token
+    membership/bids/<epoch>/<member>    a member's bid to be in that epoch: its old rank and committed step
+
+After a failure every surviving member bids for the next epoch (a joiner bids with no old rank). The epoch is decided
+by whichever member first sees every member of the current epoch either bid or declared dead by the daemons'
+liveness verdict, never by a timer shorter than a step (a short grace once excluded a live survivor whose steps took
+seconds: ``../shared/HOT-RECOVERY.md``), and only with at least ``min_members`` bids; fewer fall back to the cold
+path (:class:`BelowMinimum`). Ranks follow committed steps (most first: rank 0 is the heal source), then old rank.
+
+**One transaction** compares the epoch key's revision with the one the decider read, and writes the decision *and a
+new lineage token* (``<round>.e<epoch>.<64 random bits>``, ``elasticd/lineage.py``). So a member left out of an epoch
+(a node that was stopped and resumes, a partition's minority) finds an epoch without itself, and can no longer
+commit a checkpoint: the fence it holds was replaced in the same write. A decider that loses the race reads the
+winner's decision. Bids are never deleted while an epoch may still read them (a check-then-get of a key another
+member deleted races); :meth:`Membership.forget` clears an old epoch's bids.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+from elasticd.errors import ElasticdError
+from elasticd.etcd.client import EtcdClient
+from elasticd.keys import RunKeys
+
+
+class BelowMinimum(ElasticdError):
+    """Fewer members than the minimum are left for the next epoch: recovery in place is off, restart cold."""
+
+    def __init__(self, epoch: int, members: Collection[str], minimum: int) -> None:
+        self.epoch, self.members, self.minimum = epoch, tuple(sorted(members)), minimum
+        super().__init__(f"epoch {epoch}: {len(self.members)} member(s) left, at least {minimum} needed")
+
+
+@dataclass(frozen=True, slots=True)
+class Bid:
+    member: str
+    old_rank: int | None  # None: a joiner
+    step: int  # the member's committed optimizer steps
+
+    def encode(self) -> bytes:
+        return json.dumps({"member": self.member, "old_rank": self.old_rank, "step": self.step}).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Bid:
+        data = json.loads(raw)
+        rank = data.get("old_rank")
+        return cls(str(data["member"]), None if rank is None else int(rank), int(data["step"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    number: int
+    members: tuple[str, ...]  # in rank order
+    source: str  # the member the others heal from (rank 0)
+    step: int  # the source's committed steps: where the epoch resumes
+    token: str  # the lineage token in force for this epoch
+    reason: str  # failure, hang, join, leave
+
+    def rank_of(self, member: str) -> int | None:
+        return self.members.index(member) if member in self.members else None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "epoch": self.number,
+                "members": list(self.members),
+                "source": self.source,
+                "step": self.step,
+                "token": self.token,
+                "reason": self.reason,
+            }
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Epoch:
+        d = json.loads(raw)
+        return cls(int(d["epoch"]), tuple(d["members"]), str(d["source"]), int(d["step"]), str(d["token"]), d["reason"])
+
+
+def epoch_token(round_: int, epoch: int) -> str:
+    """A lineage token that never repeats and names the epoch it fences (``writer_id`` keeps the random part)."""
+    return f"{round_}.e{epoch}.{secrets.token_hex(8)}"
+
+
+def rank_order(bids: Collection[Bid]) -> list[Bid]:
+    """Most committed steps first (the heal source), then old members by old rank, then joiners by name."""
+    return sorted(bids, key=lambda b: (-b.step, b.old_rank is None, b.old_rank or 0, b.member))
+
+
+class Membership:
+    """One run's membership epochs in etcd."""
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self._client = client
+        self._keys = keys
+        self._clock = clock
+
+    def current(self) -> tuple[Epoch, int] | None:
+        """The epoch in force and its key's revision (None: no epoch decided yet)."""
+        found = self._client.get(self._keys.membership_epoch)
+        return None if found is None else (Epoch.decode(found[0]), found[1])
+
+    def bid(self, epoch: int, bid: Bid) -> None:
+        """Ask to be in ``epoch`` (rewritten, never deleted, if asked again)."""
+        self._client.put(self._keys.membership_bid(epoch, bid.member), bid.encode())
+
+    def bids(self, epoch: int) -> dict[str, Bid]:
+        found = self._client.get_prefix(self._keys.membership_bids_prefix(epoch))
+        return {bid.member: bid for bid in (Bid.decode(raw) for _, raw, _ in found)}
+
+    def try_decide(
+        self,
+        epoch: int,
+        previous: Collection[str],
+        is_dead: Callable[[str], bool],
+        *,
+        min_members: int,
+        round_: int,
+        reason: str,
+    ) -> Epoch | None:
+        """Decide ``epoch`` if it can be decided now, else None; the decision in force if someone else was faster.
+
+        ``previous`` are the members of the epoch before, ``is_dead(member)`` the daemons' liveness verdict.
+        Raises :class:`BelowMinimum` when every previous member is accounted for and fewer than ``min_members``
+        bid."""
+        current = self.current()
+        if current is not None and current[0].number >= epoch:
+            return current[0]
+        bids = self.bids(epoch)
+        if any(m not in bids and not is_dead(m) for m in previous):
+            return None  # a live member has not bid yet: wait for it (or for its daemon to declare it dead)
+        if len(bids) < min_members:
+            raise BelowMinimum(epoch, bids, min_members)
+        order = rank_order(bids.values())
+        decision = Epoch(
+            epoch,
+            tuple(b.member for b in order),
+            order[0].member,
+            order[0].step,
+            epoch_token(round_, epoch),
+            reason,
+        )
+        written = self._client.put_all_if_revision(
+            self._keys.membership_epoch,
+            0 if current is None else current[1],
+            {self._keys.membership_epoch: decision.encode(), self._keys.lineage_token: decision.token},
+        )
+        if written:
+            return decision
+        winner = self.current()
+        return None if winner is None or winner[0].number < epoch else winner[0]
+
+    def wait(self, epoch: int, timeout_s: float) -> Epoch | None:
+        """The decision of ``epoch`` (or a later one) once it is made, or None after ``timeout_s``."""
+        deadline = self._clock() + timeout_s
+        while True:
+            before = self._client.revision()  # read first: a decision written after it wakes the watch below
+            found = self._client.get(self._keys.membership_epoch)
+            if found is not None and Epoch.decode(found[0]).number >= epoch:
+                return Epoch.decode(found[0])
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                return None
+            start = before + 1 if found is None else found[1] + 1
+            self._client.wait_for_change(self._keys.membership_epoch, start, remaining)
+
+    def forget(self, epoch: int) -> int:
+        """Remove the bids for ``epoch``; call once a later epoch is in force (nobody reads them any more)."""
+        return self._client.delete_prefix(self._keys.membership_bids_prefix(epoch))

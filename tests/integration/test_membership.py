@@ -1,0 +1,114 @@
+"""Membership epochs on a real etcd: decided only when every member is accounted for, by one transaction that also
+moves the checkpoint fence, so a member left out can neither be in the epoch nor commit."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.etcd.server import EmbeddedEtcd
+from elasticd.keys import RunKeys
+from elasticd.lineage import CheckpointRecord, Lineage
+from elasticd.membership import BelowMinimum, Bid, Epoch, Membership
+from tests.helpers import ETCD_READY_TIMEOUT_S
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+KEYS = RunKeys("members")
+A, B, C, D = "node-a", "node-b", "node-c", "node-d"
+
+
+def _first_epoch(m: Membership) -> None:
+    for member in (A, B, C):
+        m.bid(1, Bid(member, None, 0))
+    decided = m.try_decide(1, (), lambda _: False, min_members=2, round_=1, reason="join")
+    assert decided is not None and set(decided.members) == {A, B, C}
+
+
+def _record(step: int, token: str) -> CheckpointRecord:
+    return CheckpointRecord(step, f"step-{step}", f"step-{step}.x.partial", "0" * 64, token, committed_at=0.0)
+
+
+def test_an_epoch_waits_for_every_live_member_then_ranks_by_committed_steps(etcd_client: EtcdClient) -> None:
+    m = Membership(etcd_client, KEYS)
+    _first_epoch(m)
+    dead = {C}
+    m.bid(2, Bid(B, 1, 40))
+    # A is alive and has not bid: no decision yet, whatever the time
+    assert m.try_decide(2, (A, B, C), dead.__contains__, min_members=2, round_=1, reason="failure") is None
+    m.bid(2, Bid(A, 0, 38))
+    decided = m.try_decide(2, (A, B, C), dead.__contains__, min_members=2, round_=1, reason="failure")
+    assert decided is not None
+    assert decided.members == (B, A) and decided.source == B and decided.step == 40
+    assert decided.rank_of(C) is None
+    assert m.current() is not None and m.current()[0] == decided  # type: ignore[index]
+
+
+def test_the_decision_moves_the_fence_so_a_member_left_out_cannot_commit(etcd_client: EtcdClient) -> None:
+    m, lineage = Membership(etcd_client, KEYS), Lineage(etcd_client, KEYS)
+    _first_epoch(m)
+    old_token = m.current()[0].token  # type: ignore[index]
+    assert lineage.token() == old_token
+    assert lineage.commit(old_token, _record(10, old_token))  # every member of epoch 1 may commit
+    m.bid(2, Bid(A, 0, 20))
+    m.bid(2, Bid(B, 1, 20))
+    decided = m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure")
+    assert decided is not None and decided.token != old_token
+    assert lineage.token() == decided.token
+    # C was stopped, not dead: it wakes up holding epoch 1's token and finds an epoch without itself
+    assert not lineage.commit(old_token, _record(20, old_token))
+    assert decided.rank_of(C) is None
+    assert lineage.commit(decided.token, _record(20, decided.token))
+    assert [r.step for r in lineage.records()] == [20, 10]  # newest first
+
+
+def test_fewer_than_the_minimum_falls_back_to_the_cold_path(etcd_client: EtcdClient) -> None:
+    m = Membership(etcd_client, KEYS)
+    _first_epoch(m)
+    m.bid(2, Bid(A, 0, 5))
+    with pytest.raises(BelowMinimum) as error:
+        m.try_decide(2, (A, B, C), {B, C}.__contains__, min_members=2, round_=1, reason="failure")
+    assert error.value.members == (A,)
+    assert m.current()[0].number == 1  # type: ignore[index]  # nothing was decided
+
+
+def test_concurrent_deciders_agree_on_one_decision(etcd: EmbeddedEtcd) -> None:
+    clients = [
+        EtcdClient.connect(parse_endpoints(etcd.endpoint), connect_timeout_s=ETCD_READY_TIMEOUT_S) for _ in range(3)
+    ]
+    try:
+        members = [Membership(c, KEYS) for c in clients]
+        _first_epoch(members[0])
+        for rank, name in enumerate((A, B, C)):
+            members[rank].bid(2, Bid(name, rank, 30))
+        members[0].bid(2, Bid(D, None, 0))  # a joiner is admitted in the same epoch
+
+        def decide(m: Membership) -> Epoch | None:
+            return m.try_decide(2, (A, B, C), lambda _: False, min_members=2, round_=1, reason="join")
+
+        with ThreadPoolExecutor(3) as pool:
+            decisions = list(pool.map(decide, members))
+        decided = decisions[0]
+        assert decided is not None and all(d == decided for d in decisions)
+        assert decided.members == (A, B, C, D)
+        assert Lineage(clients[0], KEYS).token() == decided.token
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_waiting_member_hears_the_decision(etcd_client: EtcdClient) -> None:
+    m = Membership(etcd_client, KEYS)
+    _first_epoch(m)
+    assert m.wait(2, timeout_s=0.3) is None
+    m.bid(2, Bid(A, 0, 1))
+    m.bid(2, Bid(B, 1, 1))
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(m.wait, 2, 20.0)
+        m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure")
+        heard = waiting.result(timeout=30)
+    assert heard is not None and heard.number == 2 and heard.members == (A, B)
+    assert m.forget(2) == 2 and m.bids(2) == {}
