@@ -111,7 +111,9 @@ def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path
         run_id="churn",
         min_nodes=2,
         max_nodes=3,
-        script_args=train_args(400),
+        # 0.2 s steps: every wait below is for a world size, not a step count; faster steps would only take CPU from
+        # the daemons and workers starting (the run ends by `elasticd stop`, long before step 400)
+        script_args=train_args(400, 0.2),
     ) as c:
         c.start("ch-0"), c.start("ch-1"), c.start("ch-2")
         c.wait_step(lambda s: s["world_size"] == 3, what="3 workers")
