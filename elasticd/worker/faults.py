@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -112,7 +113,10 @@ class FaultInjector:
     def before_commit(self, step: int) -> None:
         if any(f.extra.get("commit") == str(step) for f in self._of("freeze")):
             os.kill(os.getppid(), signal.SIGSTOP)  # the whole node: its daemon too, so nobody reports for it
-            os.kill(os.getpid(), signal.SIGSTOP)
+            # Stop this very thread (the checkpoint writer) before it returns: a SIGSTOP sent to the process goes to
+            # its main thread first, and a writer that runs on while the main thread waits for a core reaches the
+            # fence and commits (seen under load: the "stale" step-20 record of tests/integration/test_lineage.py).
+            signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def parse_faults(text: str) -> list[Fault]:

@@ -232,13 +232,23 @@ def _is_reaper(process: psutil.Process) -> bool:
         return False
 
 
+# Set by pytest-xdist in each of its worker processes, and inherited by every daemon and worker a test starts: a
+# scan for a node's processes must not find those of a test that another xdist worker runs at the same time
+# (node names repeat across tests). Without xdist it is unset everywhere, and every process matches.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER"
+
+
+def _ours(env: dict[str, str]) -> bool:
+    return env.get(_XDIST_WORKER) == os.environ.get(_XDIST_WORKER)
+
+
 def _orphans_of(node: Node) -> list[psutil.Process]:
     """Processes still running whose command line names this node (workers re-parented to init)."""
     found = []
     for p in psutil.process_iter(["cmdline", "environ"]):
         try:
             env = p.info.get("environ") or {}
-            if env.get("ELASTICD_NODE_ID") == node.name and p.pid != os.getpid():
+            if env.get("ELASTICD_NODE_ID") == node.name and _ours(env) and p.pid != os.getpid():
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
@@ -251,7 +261,7 @@ def leftover_processes(names: list[str]) -> list[psutil.Process]:
     for p in psutil.process_iter(["environ"]):
         try:
             env = p.info.get("environ") or {}
-            if env.get("ELASTICD_NODE_ID") in names and p.status() != psutil.STATUS_ZOMBIE:
+            if env.get("ELASTICD_NODE_ID") in names and _ours(env) and p.status() != psutil.STATUS_ZOMBIE:
                 left.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -87,8 +87,10 @@ def test_node_joining_while_training_grows_the_group(etcd, tmp_path: Path) -> No
         run_id="join",
         min_nodes=2,
         max_nodes=3,
-        # long enough that the third daemon (6-18 s to start on a loaded 2-core box) joins before the end
-        script_args=train_args(300),
+        # long enough that the third daemon (6-18 s to start on a loaded 2-core box) joins before the end: the two
+        # nodes' round 0 trains at 0.25 s a step (110 steps after step 10: ~27 s), the joined round at full speed
+        script_args=train_args(120),
+        env={"ELASTICD_FAULT": "slow@round=0,seconds=0.2"},
     ) as c:
         c.start("j-a"), c.start("j-b")
         c.wait_step(lambda s: s["step"] >= 10 and s["world_size"] == 2, what="step 10 on 2 workers")
@@ -109,7 +111,9 @@ def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path
         run_id="churn",
         min_nodes=2,
         max_nodes=3,
-        script_args=train_args(400),
+        # 0.2 s steps: every wait below is for a world size, not a step count; faster steps would only take CPU from
+        # the daemons and workers starting (the run ends by `elasticd stop`, long before step 400)
+        script_args=train_args(400, 0.2),
     ) as c:
         c.start("ch-0"), c.start("ch-1"), c.start("ch-2")
         c.wait_step(lambda s: s["world_size"] == 3, what="3 workers")

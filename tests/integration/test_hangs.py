@@ -261,7 +261,8 @@ def test_node_killed_under_auto_timeout_is_a_failure_for_the_survivors_not_a_han
         run_id="loss-auto",
         min_nodes=2,
         max_nodes=3,
-        script_args=train_args(200, 0.05),
+        # killed at step 30+: the survivors resume from the newest checkpoint (step 20 or 30) and train 70+ at world 2
+        script_args=train_args(100, 0.05),
         extra=("--hang-timeout", "auto"),
     ) as c:
         a, b, victim = c.start("la-a"), c.start("la-b"), c.start("la-c")
@@ -276,11 +277,16 @@ def test_node_killed_under_auto_timeout_is_a_failure_for_the_survivors_not_a_han
             assert not node.events("hang_diagnosed"), c.diagnostics()
             assert [e["lost_node"] for e in node.events("node_lost")] == ["la-c"]
         assert _diagnostics(c) == [], c.diagnostics()
-        _finished(c, ["la-a", "la-b"], 200)
+        _finished(c, ["la-a", "la-b"], 100)
 
 
-# Long enough for the stopped node to rejoin after SIGCONT before the run ends (~0.07 s a step at world 2).
-STOP_STEPS = 600
+# Long enough for the stopped node to rejoin after SIGCONT before the run ends: it is continued right after the
+# first steps at world 2 (step ~31), and the others keep training at ~0.07 s a step until its rejoin restarts them
+# (2-3 s after SIGCONT, ~40 steps): 200 steps leave a margin of over 100.
+STOP_STEPS = 200
+# The least time the whole node stays stopped: several times the rendezvous' 3 s eviction, and past the hang
+# agreement's report wait (elasticd/agent/agreement.py, 5 s).
+MIN_STOP_S = 10.0
 
 
 @pytest.mark.timeout(360)
@@ -290,8 +296,9 @@ def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothin
     # Issue 10, Why 12: a whole node (daemon and worker) SIGSTOPped for longer than the rendezvous keeps it, then
     # SIGCONT. The others' workers wait in the all-reduce for it: a hang, whose culprit is the frozen node (its
     # heartbeat is stale and it sends no evidence), not the nodes that waited. The frozen node wakes up to a run
-    # that went on without it: its late report must not count as a second hang at the same step.
-    stop_s = 25.0
+    # that went on without it: its late report must not count as a second hang at the same step. It stays stopped
+    # until the others have diagnosed the hang and trained at world 2 in a round without it (the rendezvous evicted
+    # it: 3 s without a heartbeat), and at least MIN_STOP_S.
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -310,7 +317,7 @@ def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothin
         try:
             c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > stopped_at, timeout_s=90, what="world 2")
             diagnosed = a.wait_event("hang_diagnosed", timeout_s=30)
-            time.sleep(max(0.0, stopped_at + stop_s - time.time()))
+            time.sleep(max(0.0, stopped_at + MIN_STOP_S - time.time()))
         finally:
             for p in frozen:
                 with contextlib.suppress(psutil.NoSuchProcess):

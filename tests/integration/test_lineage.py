@@ -204,8 +204,17 @@ def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_establis
     # daemons must notice, form a new round that re-establishes registry, token and lineage (adopting the newest
     # verified checkpoint on disk), commit again, and let a new node in.
     keys = RunKeys("wiped")
+    # Rounds before the join (round 0, and round 0 again in the emptied etcd) train at 0.15 s a step, so that the run
+    # outlasts the third node's start (130 steps after the commit of step 20: ~20 s); the joined round (1) trains at
+    # full speed to the end.
     with Cluster(
-        etcd.endpoint, tmp_path, run_id="wiped", min_nodes=2, max_nodes=3, script_args=train_args(300, 0.05)
+        etcd.endpoint,
+        tmp_path,
+        run_id="wiped",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=train_args(150, 0.05),
+        env={"ELASTICD_FAULT": "slow@round=0,seconds=0.1"},
     ) as cluster:
         try:
             cluster.start("a"), cluster.start("b")
