@@ -6,11 +6,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from tests.helpers import ETCD_READY_TIMEOUT_S
+
+
+@pytest.fixture(autouse=True)
+def _fresh_structlog() -> Iterator[None]:
+    """Code under test may configure structlog in this process (``Run`` does, the daemon's setup does), binding
+    the ``sys.stderr`` of that moment: pytest's capture file of that test, closed when it ends. A later test on the
+    same pytest process (test order varies with xdist) would then log into a closed file."""
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture
