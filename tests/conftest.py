@@ -1,7 +1,9 @@
-"""Shared fixtures: a real etcd per test (``etcd``) and a client connected to it (``etcd_client``)."""
+"""Shared fixtures: a real etcd per test (``etcd``) and a client connected to it (``etcd_client``); every test leaves
+the logging configuration as it found it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +17,19 @@ from tests.helpers import ETCD_READY_TIMEOUT_S
 
 
 @pytest.fixture(autouse=True)
-def _fresh_structlog() -> Iterator[None]:
-    """Code under test may configure structlog in this process (``Run`` does, the daemon's setup does), binding
-    the ``sys.stderr`` of that moment: pytest's capture file of that test, closed when it ends. A later test on the
-    same pytest process (test order varies with xdist) would then log into a closed file."""
-    yield
-    structlog.reset_defaults()
+def _logging_as_found() -> Iterator[None]:
+    """A test that runs the CLI in-process configures logging to write to the ``sys.stderr`` of that moment: under
+    ``capsys``, a capture file closed when the test ends. Any later test of the same process that logs (through
+    ``elasticd.logging``) would then fail with "I/O operation on closed file"; which test comes later depends on
+    the order, so with pytest-xdist it varies. Restore structlog's configuration and the root logger's handlers."""
+    config = structlog.get_config()
+    handlers, level = list(logging.root.handlers), logging.root.level
+    try:
+        yield
+    finally:
+        structlog.configure(**config)
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
 
 
 @pytest.fixture
