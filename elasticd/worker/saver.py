@@ -13,6 +13,7 @@ accelerate's ``save_accelerator_state`` and a marker, and rank 0's waits for eve
 
 from __future__ import annotations
 
+import atexit
 import copy
 import random
 import shutil
@@ -41,6 +42,9 @@ FENCED = "checkpoint_fenced"
 WRITTEN = "checkpoint_written"
 # Rank 0: every file and the manifest are durable, the fence is asked next (fault injection freezes a node here).
 SEALED = "checkpoint_sealed"
+# Seconds an exiting worker gives its writer to hear the fence's answer about a sealed checkpoint (one etcd
+# transaction, bounded by the client's own timeouts; this only bounds a stuck one).
+EXIT_SETTLE_S = 30.0
 # save_state of these writes sharded or engine-specific files that a host snapshot cannot reproduce: saved blocking.
 _NO_SNAPSHOT = frozenset(
     {DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
@@ -178,6 +182,7 @@ class CheckpointSaver:
         self._leftovers: set[Path] = set()
         # the step whose record the fence was asked for: from then on a failure keeps the dir (it may be recorded)
         self._sealed: int | None = None
+        atexit.register(self._settle_at_exit)
 
     def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> bool | None:
         """Save the state as of now as ``step``, with ``meta`` in the manifest; call on every rank at the same step.
@@ -380,6 +385,15 @@ class CheckpointSaver:
             shutil.rmtree(path, ignore_errors=True)
             if not path.exists():
                 self._leftovers.discard(path)
+
+    def _settle_at_exit(self) -> None:
+        """The process is exiting (an exception in the training loop, say) while the writer asks the fence about a
+        sealed checkpoint: let it hear the answer (recorded and renamed, or refused and reported) within
+        :data:`EXIT_SETTLE_S` instead of dying mid-commit. A writer still writing files, or waiting for a dead rank,
+        is not waited for: it is a daemon thread, and the next start removes its partial directory."""
+        writer = self._writer
+        if writer is not None and writer.is_alive() and self._sealed is not None:
+            writer.join(timeout=min(self._commit_timeout_s, EXIT_SETTLE_S))
 
     def _emit(self, name: str, **fields: Any) -> None:
         if name == SEALED:

@@ -59,19 +59,22 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd,
         c.wait_step(lambda s: s["world_size"] == 3, timeout_s=120, what="3 workers")
         figures = []
         for cycle in range(len(PHASES)):
-            # The next round's rank 0 is the live daemon with the lowest pid (all nodes share one address).
-            victim = min(alive, key=lambda n: c.nodes[n].proc.pid)
+            # The next round's rank 0 is the live daemon with the lowest pid (all nodes share one address): the
+            # joiner's too, when the pid counter wrapped (pid_max 32768 here). It takes seconds to import before it
+            # joins, so it is armed in time when it is the one.
+            joiner = start().name
+            victim = min([*alive, joiner], key=lambda n: c.nodes[n].proc.pid)
             phase = phase_of_node[victim]
             expected_phase = next(p for f, p in PHASES if f == phase)
             (tmp_path / f"arm-{victim}").touch()
-            joiner = start().name
-            survivors = [n for n in alive if n != victim]
+            survivors = [n for n in [*alive, joiner] if n != victim]
+            newcomer = joiner if joiner != victim else None
             died = c.nodes[victim].wait_event("fault_injected", timeout_s=120)
             assert died["phase"] == phase and died["group_rank"] == 0
             assert c.nodes[victim].wait(30) != 0
             killed_at = _when(died)
             (tmp_path / f"arm-{victim}").unlink()
-            alive = [*survivors, joiner]
+            alive = survivors
             # The survivors and the new node form the next round and train at 3 again.
             first = c.wait_step(
                 lambda s, t=killed_at: s["t"] > t and s["world_size"] == 3, timeout_s=120, what="3 workers again"
@@ -79,7 +82,8 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd,
             formed_at = []
             for name in alive:
                 done = c.nodes[name].wait_event("rendezvous_done", where=lambda e, t=killed_at: _when(e) > t)
-                assert victim not in done["members"] and joiner in done["members"], c.diagnostics()
+                assert victim not in done["members"], c.diagnostics()
+                assert newcomer is None or newcomer in done["members"], c.diagnostics()
                 formed_at.append(_when(done))
             abandoned = [e for n in alive for e in c.nodes[n].events("round_abandoned") if _when(e) > killed_at - 1]
             if expected_phase is not None:
