@@ -135,8 +135,9 @@ def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loa
         min_nodes=2,
         max_nodes=3,
         script_args=train_args(100, 0.05),
-        # the first round waits for all three nodes, so that round 0 is the one with the frozen writer
-        extra=("--rdzv-conf", "last_call_timeout=5"),
+        # the first round waits for all three nodes, so that round 0 is the one with the frozen writer (it closes
+        # as soon as the third is in, at max_nodes; the long last call only matters on a loaded machine)
+        extra=("--rdzv-conf", "last_call_timeout=20"),
         env={"ELASTICD_FAULT": "freeze@commit=20,rank=0,round=0"},
     ) as cluster:
         try:
