@@ -40,7 +40,6 @@ if __package__ in (None, ""):  # run as `python bench/goodput.py`
 
 from bench.common import (
     BenchTimeout,
-    Launcher,
     code_revision,
     finite,
     interrupt_on_sigterm,
@@ -57,14 +56,12 @@ from bench.recovery import (
     STARTUP_TIMEOUT_S,
     SYSTEMS,
     TUNED_RDZV_CONF,
-    ElasticdJob,
     Job,
-    TorchrunJob,
+    start_job,
     steps_at,
     versions,
     wait_steady,
 )
-from elasticd.etcd.server import EmbeddedEtcd
 
 MINUTES, KILL_EVERY_S, JOIN_AFTER_S = 10.0, 30.0, 20.0
 # Step times at 3 nodes before the schedule, for the undisturbed step time (each ~0.06-0.1 s here).
@@ -166,18 +163,8 @@ def run_system(system: str, workdir: Path, code: Path, args: argparse.Namespace)
     trial_dir = workdir / system
     run_id = f"goodput-{system}-{uuid.uuid4().hex[:6]}"
     print(f"[{system}] starting", file=sys.stderr)
-    script = code / "examples" / "train.py"
     with ExitStack() as stack:
-        launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
-        job: Job
-        if system == "elasticd":
-            etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", unsafe_no_fsync=False)
-            etcd.start(ready_timeout_s=30.0)
-            stack.callback(etcd.stop)
-            job = ElasticdJob(launcher, run_id, trial_dir / "checkpoints", script, etcd.endpoint)
-        else:
-            job = TorchrunJob(launcher, run_id, trial_dir / "checkpoints", script, tuned=system == "torchrun-tuned")
-        stack.callback(launcher.close)
+        job = start_job(stack, system, trial_dir, run_id, code)
         try:
             return run_schedule(job, args.minutes, args.kill_every, args.join_after)
         except BenchTimeout as exc:

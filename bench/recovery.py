@@ -528,6 +528,24 @@ def run_trial(job: Job, trial: int, scenarios: Sequence[Scenario]) -> list[Sampl
     return samples
 
 
+def start_job(stack: ExitStack, system: str, trial_dir: Path, run_id: str, code: Path) -> Job:
+    """The job of ``system`` in ``trial_dir`` (elasticd: with an etcd of its own), torn down when ``stack`` unwinds:
+    every node is dead before etcd stops, so no daemon sees etcd go."""
+    launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
+    script = code / "examples" / "train.py"
+    job: Job
+    if system == "elasticd":
+        # fsync on, as a production etcd runs: the rendezvous writes pay their real cost.
+        etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", unsafe_no_fsync=False)
+        etcd.start(ready_timeout_s=30.0)
+        stack.callback(etcd.stop)
+        job = ElasticdJob(launcher, run_id, trial_dir / "checkpoints", script, etcd.endpoint)
+    else:
+        job = TorchrunJob(launcher, run_id, trial_dir / "checkpoints", script, tuned=system == "torchrun-tuned")
+    stack.callback(launcher.close)
+    return job
+
+
 def run_system_trial(
     system: str, trial: int, workdir: Path, code: Path, scenarios: Sequence[Scenario] | None = None
 ) -> list[Sample]:
@@ -537,25 +555,13 @@ def run_system_trial(
     trial_dir = workdir / f"{system}-{trial}"
     run_id = f"bench-{system}-{trial}-{uuid.uuid4().hex[:6]}"
     print(f"[{system} trial {trial}] starting", file=sys.stderr)
-    script = code / "examples" / "train.py"
     with ExitStack() as stack:
-        launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
-        job: Job
-        if system == "elasticd":
-            # fsync on, as a production etcd runs: the rendezvous writes pay their real cost.
-            etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", unsafe_no_fsync=False)
-            etcd.start(ready_timeout_s=30.0)
-            stack.callback(etcd.stop)
-            job = ElasticdJob(launcher, run_id, trial_dir / "checkpoints", script, etcd.endpoint)
-        else:
-            job = TorchrunJob(launcher, run_id, trial_dir / "checkpoints", script, tuned=system == "torchrun-tuned")
-        # Unwinds first: every node is dead before etcd stops, so no daemon sees etcd go.
-        stack.callback(launcher.close)
+        job = start_job(stack, system, trial_dir, run_id, code)
         chosen = [sc for sc in SCENARIOS[system] if scenarios is None or sc in scenarios]
         samples = run_trial(job, trial, chosen)
         if any(s.seconds is None for s in samples):
             (trial_dir / "diagnostics.txt").write_text(
-                "\n".join(f"===== {n.name}\n{n.tail(60)}" for n in launcher.nodes.values())
+                "\n".join(f"===== {n.name}\n{n.tail(60)}" for n in job.launcher.nodes.values())
             )
         return samples
 

@@ -244,22 +244,18 @@ class EtcdClient:
         """Write every key of ``items`` in one transaction, only if ``guard_key`` currently holds ``expected``;
         True when written (all of them), False when the guard did not hold (none of them)."""
         tx = self._raw.transactions
-        puts = [tx.put(key, value) for key, value in items.items()]
-        succeeded, _ = self._call(
-            "fenced put",
-            lambda: self._raw.transaction(compare=[tx.value(guard_key) == expected], success=puts, failure=[]),
-        )
-        return bool(succeeded)
+        return self._put_all("fenced put", tx.value(guard_key) == expected, items)
 
     def put_all_if_revision(self, guard_key: str, mod_revision: int, items: dict[str, bytes | str]) -> bool:
         """Write every key of ``items`` in one transaction, only if ``guard_key``'s mod_revision is ``mod_revision``
         (0: only if it is absent); True when written (all of them), False when not (none of them)."""
         tx = self._raw.transactions
+        return self._put_all("compare-and-swap", tx.mod(guard_key) == mod_revision, items)
+
+    def _put_all(self, operation: str, compare: Any, items: dict[str, bytes | str]) -> bool:
+        tx = self._raw.transactions
         puts = [tx.put(key, value) for key, value in items.items()]
-        succeeded, _ = self._call(
-            "compare-and-swap",
-            lambda: self._raw.transaction(compare=[tx.mod(guard_key) == mod_revision], success=puts, failure=[]),
-        )
+        succeeded, _ = self._call(operation, lambda: self._raw.transaction(compare=[compare], success=puts, failure=[]))
         return bool(succeeded)
 
     def create(self, key: str, value: bytes | str, lease_id: int | None = None) -> bool:

@@ -152,15 +152,17 @@ class _Holder:
         self._last_sync_time = 5.0
 
 
-def _wakeup(state: _RendezvousState, now: datetime = NOW) -> wakeup.StateWakeup:
+def _wakeup(state: _RendezvousState, now: datetime = NOW, **kwargs: Any) -> wakeup.StateWakeup:
+    """A wakeup that knows no revision (so it sleeps, through ``sleep=`` if given) and reads no etcd."""
     return wakeup.StateWakeup(
-        None,  # type: ignore[arg-type]  # due_in reads no etcd
+        None,  # type: ignore[arg-type]
         "/key",
         lambda: None,
         _Holder(state),  # type: ignore[arg-type]
         A,
         _settings(),
         now=lambda: now,
+        **kwargs,
     )
 
 
@@ -189,16 +191,7 @@ def test_a_wait_without_a_known_revision_sleeps_and_the_next_read_skips_torchs_c
     state = _forming(A, B)
     state.last_heartbeats = {}
     slept: list[float] = []
-    waker = wakeup.StateWakeup(
-        None,  # type: ignore[arg-type]
-        "/key",
-        lambda: None,
-        _Holder(state),  # type: ignore[arg-type]
-        A,
-        _settings(),
-        sleep=slept.append,
-        now=lambda: NOW,
-    )
+    waker = _wakeup(state, sleep=slept.append)
     state.deadline = NOW + timedelta(seconds=0.3)
     waker.wait(1.0)
     assert slept == [pytest.approx(0.3 + wakeup.DUE_MARGIN_S)]
@@ -210,17 +203,7 @@ def test_a_due_time_of_the_handler_ends_the_wait_too() -> None:
     state = _forming(A, B)
     state.last_heartbeats, state.deadline = {}, None
     slept: list[float] = []
-    waker = wakeup.StateWakeup(
-        None,  # type: ignore[arg-type]
-        "/key",
-        lambda: None,
-        _Holder(state),  # type: ignore[arg-type]
-        A,
-        _settings(),
-        also_due=lambda: 0.12,
-        sleep=slept.append,
-        now=lambda: NOW,
-    )
+    waker = _wakeup(state, also_due=lambda: 0.12, sleep=slept.append)
     waker.wait(1.0)
     assert slept == [pytest.approx(0.12)]
     assert waker.woken == {"change": 0, "due": 1, "poll": 0}
