@@ -171,6 +171,12 @@ _config_option = click.option(
     help="SIGTERM or stop: seconds to wait for the checkpoint before stopping the workers.",
 )
 @_option("--on-nan", type=click.Choice(["skip", "rollback", "stop"]), default="rollback")
+@_option(
+    "--recovery",
+    type=click.Choice(["hot", "cold"]),
+    default="hot",
+    help="hot: survivors keep their processes and re-form in place; cold: restart from the newest checkpoint.",
+)
 @_option("--max-restarts", type=int, default=20, help="Worker-group restarts on failure (torchrun's meaning).")
 @_option("--monitor-interval", "monitor_interval_s", type=float, default=0.1, help="Worker poll, seconds.")
 @_option("--rdzv-conf", default="", help="Rendezvous timing, e.g. last_call_timeout=2,keep_alive_interval=1.")

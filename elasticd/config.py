@@ -21,6 +21,7 @@ from elasticd.etcd.endpoints import Endpoint, parse_endpoints
 from elasticd.keys import validate_node_id, validate_run_id
 
 OnNan = Literal["skip", "rollback", "stop"]
+Recovery = Literal["hot", "cold"]
 LogFormat = Literal["json", "console"]
 
 # Rendezvous settings a user may pass through --rdzv-conf (torchrun's flag), with their unit.
@@ -61,6 +62,7 @@ class StartConfig:
     straggler_window_s: float = 30.0
     drain_timeout_s: float = 120.0  # SIGTERM / stop: budget for the checkpoint before the workers are stopped
     on_nan: OnNan = "rollback"
+    recovery: Recovery = "hot"  # hot: survivors re-form in place; cold: every change restarts from a checkpoint
     max_restarts: int = 20
     monitor_interval_s: float = 0.1
     metrics_port: int = 9400
@@ -258,6 +260,7 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
         straggler_window_s=straggler_window,
         drain_timeout_s=drain,
         on_nan=str(values["on_nan"]),  # type: ignore[arg-type]  # click.Choice checked it
+        recovery=str(values.get("recovery") or "hot"),  # type: ignore[arg-type]  # click.Choice checked it
         max_restarts=max_restarts,
         monitor_interval_s=monitor,
         metrics_port=port,

@@ -16,6 +16,10 @@ CHECKPOINT_EVERY_SECONDS = "ELASTICD_CHECKPOINT_EVERY_SECONDS"
 KEEP_CHECKPOINTS = "ELASTICD_KEEP_CHECKPOINTS"
 ON_NAN = "ELASTICD_ON_NAN"
 ASYNC_CHECKPOINTS = "ELASTICD_ASYNC_CHECKPOINTS"
+# --recovery: "hot" lets the worker library re-form the group in place after a failure (elasticd/worker/hot/).
+RECOVERY = "ELASTICD_RECOVERY"
+# The address other nodes reach this node at (--local-addr): where the hot path's liveness probes connect.
+LOCAL_ADDR = "ELASTICD_LOCAL_ADDR"
 # The daemon's own options, also given to workers: the fence needs etcd, the batch plan the elastic range.
 ETCD = "ELASTICD_ETCD"
 MIN_NODES = "ELASTICD_MIN_NODES"

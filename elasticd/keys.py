@@ -84,6 +84,31 @@ class RunKeys:
         return f"{self.membership_bids_prefix(epoch)}{member}"
 
     @property
+    def membership_prefix(self) -> str:
+        """Everything hot recovery's workers watch: epochs, bids, failure notices, members, node liveness."""
+        return f"{self.prefix}membership/"
+
+    def membership_notice(self, epoch: int) -> str:
+        """A member of ``epoch`` saw a step fail (its reason): releases members still waiting in a collective."""
+        return f"{self.prefix}membership/notice/{epoch:012d}"
+
+    def membership_member(self, member: str) -> str:
+        """Where a worker of the hot path answers liveness probes, and its node (JSON, worker/hot/liveness.py)."""
+        return f"{self.prefix}membership/members/{member}"
+
+    @property
+    def membership_alive_prefix(self) -> str:
+        return f"{self.prefix}membership/alive/"
+
+    def membership_alive(self, node_id: str) -> str:
+        """A node's short liveness lease (about a second, agent/node_lease.py): gone = the node vanished."""
+        return f"{self.membership_alive_prefix}{node_id}"
+
+    def hot_group_store(self, round_: int, epoch: int) -> str:
+        """The c10d store prefix of one epoch's process group (elasticd/rendezvous/store.py over etcd)."""
+        return f"{self.prefix}hot/pg/{round_}/{epoch}/"
+
+    @property
     def plan(self) -> str:
         """The batch constraint the workers reported (JSON): which node counts train (``agent/spares.py``)."""
         return f"{self.prefix}plan"

@@ -126,12 +126,14 @@ class Membership:
         min_members: int,
         round_: int,
         reason: str,
+        fence: str | None = None,
     ) -> Epoch | None:
         """Decide ``epoch`` if it can be decided now, else None; the decision in force if someone else was faster.
 
         ``previous`` are the members of the epoch before, ``is_dead(member)`` the daemons' liveness verdict.
-        Raises :class:`BelowMinimum` when every previous member is accounted for and fewer than ``min_members``
-        bid."""
+        ``fence``, when given, is the lineage token the deciders hold: the decision is written only while it is still
+        the run's (a group that a newer round or epoch replaced can never decide again). Raises
+        :class:`BelowMinimum` when every previous member is accounted for and fewer than ``min_members`` bid."""
         current = self.current()
         if current is not None and current[0].number >= epoch:
             return current[0]
@@ -149,11 +151,17 @@ class Membership:
             epoch_token(round_, epoch),
             reason,
         )
-        written = self._client.put_all_if_revision(
-            self._keys.membership_epoch,
-            0 if current is None else current[1],
-            {self._keys.membership_epoch: decision.encode(), self._keys.lineage_token: decision.token},
-        )
+        revision = 0 if current is None else current[1]
+        items: dict[str, bytes | str] = {
+            self._keys.membership_epoch: decision.encode(),
+            self._keys.lineage_token: decision.token,
+        }
+        if fence is None:
+            written = self._client.put_all_if_revision(self._keys.membership_epoch, revision, items)
+        else:
+            written = self._client.put_all_if_revision_and_equal(
+                self._keys.membership_epoch, revision, self._keys.lineage_token, fence, items
+            )
         if written:
             return decision
         winner = self.current()

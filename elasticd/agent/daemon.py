@@ -21,6 +21,7 @@ from elasticd import __version__, envvars, rundir
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
+from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reaper import Reaper
 from elasticd.agent.registry import NodeRegistry, read_nodes
@@ -37,6 +38,7 @@ from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage
 from elasticd.logging import configure_logging, get_logger
+from elasticd.membership import Membership
 from elasticd.metrics import Metrics, MetricsServer
 from elasticd.worker.checkpoints import CheckpointStore
 from elasticd.worker.launch import worker_args
@@ -83,6 +85,11 @@ def run_daemon(cfg: StartConfig) -> int:
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
+        if cfg.recovery == "hot":
+            # the hot path's verdict on a vanished node: this key is gone about a second after we stop
+            lease = NodeLease(client, keys, cfg.node_id, on_error=lambda e: log.warning("node_lease_failed", error=e))
+            lease.start()
+            stack.callback(lease.close)
         # torch loads only now (~4 s on a busy host): what a user waits to hear about (metrics port, etcd, a node id
         # in use) is answered in about a second. tests/unit/test_startup_imports.py keeps it that way.
         from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -104,6 +111,8 @@ def run_daemon(cfg: StartConfig) -> int:
         board_dir = runtime_dir / "board"
         board_dir.mkdir()
         _export_worker_env(cfg, socket_path, endpoints, board_dir)
+        if local_addr:
+            os.environ[envvars.LOCAL_ADDR] = local_addr
 
         params = RendezvousParameters(
             backend="etcd-v3",
@@ -165,6 +174,7 @@ def run_daemon(cfg: StartConfig) -> int:
                 metrics=metrics,
                 registry=registry,
             ),
+            membership=Membership(client, keys),
         )
         stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)
@@ -264,6 +274,7 @@ def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str, board
             envvars.KEEP_CHECKPOINTS: str(cfg.keep_checkpoints),
             envvars.ON_NAN: cfg.on_nan,
             envvars.ETCD: endpoints,
+            envvars.RECOVERY: cfg.recovery,
             envvars.MIN_NODES: str(cfg.min_nodes),
             envvars.MAX_NODES: str(cfg.max_nodes),
             envvars.BOARD: str(board_dir),

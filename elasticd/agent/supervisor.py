@@ -33,6 +33,7 @@ from elasticd.agent.stragglers import StragglerDetector
 from elasticd.etcd.client import EtcdError
 from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
+from elasticd.membership import Membership
 from elasticd.metrics import Metrics
 from elasticd.rendezvous import faults as rdzv_faults
 from elasticd.rendezvous.handler import ElasticdRendezvousHandler
@@ -75,6 +76,7 @@ class ElasticdAgent(LocalElasticAgent):
         read_peers: Callable[[], list[dict[str, Any]]] = list,
         clock: Callable[[], float] = time.monotonic,
         sizing: Sizing | None = None,
+        membership: Membership | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -97,6 +99,8 @@ class ElasticdAgent(LocalElasticAgent):
         self._lineage = lineage
         self._adopt = adopt
         self.token: str | None = None  # the fencing token of the current group's workers
+        self._round_token: str | None = None  # the token the round started with: its workers' member names
+        self._membership = membership  # hot recovery's epochs: each one moves the token in place
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
@@ -229,6 +233,7 @@ class ElasticdAgent(LocalElasticAgent):
         if not token:
             raise RoundAbandonedError(self.round or 0, "no fencing token could be written")
         self._log.info("lineage_token", token=token)
+        self._round_token = token
         return token
 
     def _lineage_lost(self) -> bool:
@@ -239,8 +244,25 @@ class ElasticdAgent(LocalElasticAgent):
         current = self._poll(self._lineage.token, unchanged)  # etcd away: nothing to conclude
         if current == self.token:
             return False
+        if current is not None and self._moved_in_place(current):
+            return False
         cause = "etcd lost the run's keys" if current is None else "a newer group holds the run's fencing token"
         self._log.warning("lineage_lost", cause=cause, token=self.token, current=current)
+        return True
+
+    def _moved_in_place(self, current: str) -> bool:
+        """Did our workers' group re-form in place under ``current``? Then it is their token now (hot recovery's
+        membership epoch moved the fence with one transaction), and this node's workers are still in it."""
+        if self._membership is None or self._round_token is None:
+            return False
+        found = self._poll(self._membership.current, None)
+        if found is None or found[0].token != current:
+            return False
+        ours = f"{self._round_token}."
+        if not any(member.startswith(ours) for member in found[0].members):
+            return False  # the group went on without this node: its workers are fenced off
+        self._log.info("lineage_token", token=current, epoch=found[0].number)
+        self.token = current
         return True
 
     def _assign_worker_ranks(

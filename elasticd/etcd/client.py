@@ -252,10 +252,20 @@ class EtcdClient:
         tx = self._raw.transactions
         return self._put_all("compare-and-swap", tx.mod(guard_key) == mod_revision, items)
 
+    def put_all_if_revision_and_equal(
+        self, revision_key: str, mod_revision: int, equal_key: str, expected: bytes | str, items: dict[str, bytes | str]
+    ) -> bool:
+        """Both guards at once: ``revision_key`` at ``mod_revision`` (0: absent) and ``equal_key`` holding
+        ``expected``; True when every key of ``items`` was written in one transaction."""
+        tx = self._raw.transactions
+        compares = [tx.mod(revision_key) == mod_revision, tx.value(equal_key) == expected]
+        return self._put_all("compare-and-swap", compares, items)
+
     def _put_all(self, operation: str, compare: Any, items: dict[str, bytes | str]) -> bool:
         tx = self._raw.transactions
         puts = [tx.put(key, value) for key, value in items.items()]
-        succeeded, _ = self._call(operation, lambda: self._raw.transaction(compare=[compare], success=puts, failure=[]))
+        compares = compare if isinstance(compare, list) else [compare]
+        succeeded, _ = self._call(operation, lambda: self._raw.transaction(compare=compares, success=puts, failure=[]))
         return bool(succeeded)
 
     def create(self, key: str, value: bytes | str, lease_id: int | None = None) -> bool:

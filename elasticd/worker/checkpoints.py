@@ -89,6 +89,11 @@ class CheckpointStore:
         self.token = token or LOCAL_WRITER  # the writer's fencing token (elasticd/lineage.py); "local" without one
         self.writer = writer_id(token)
 
+    def adopt_token(self, token: str) -> None:
+        """Write as the group that holds ``token`` from now on (a membership epoch moved the fence in place)."""
+        self.token = token
+        self.writer = writer_id(token)
+
     def committed(self) -> list[Checkpoint]:
         """Committed checkpoints (a manifest present), oldest first."""
         if not self.dir.is_dir():

@@ -58,6 +58,8 @@ class Coordinator:
         self._last_checkpoint = clock()
         self._step_time_s = 0.0
         self._pending: tuple[Any, torch.Tensor] | None = None  # the all-reduce started at the last sync point
+        # Hot recovery sets it: a failed agreement is then a failed step (re-formed in place), not an exception.
+        self.on_failure: Callable[[str], None] | None = None
 
     def listen(self) -> None:
         """Let the daemon ask for a checkpoint with ``SIGUSR2`` (main thread only, as Python requires)."""
@@ -87,6 +89,13 @@ class Coordinator:
         self._next_sync = step + interval
         return SyncOutcome(checkpoint=by_count or time_due or requested, requested=requested)
 
+    def regroup(self, rank: int, world_size: int) -> None:
+        """The group was re-formed in place: drop the agreement in flight in the old one, agree at the next step."""
+        self.rank, self.world_size = rank, world_size
+        self._collective = world_size > 1
+        self._pending = None
+        self._next_sync = 0
+
     def _wanted_interval(self) -> int:
         if self._step_time_s <= 0:
             return 1
@@ -111,7 +120,14 @@ class Coordinator:
         agreed = (False, False, 1)
         if self._pending is not None:
             work, previous = self._pending
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError as exc:  # a peer is gone
+                if self.on_failure is None:
+                    raise
+                self._pending = None
+                self.on_failure(f"checkpoint agreement failed: {exc}")
+                return agreed
             values = previous.tolist()
             agreed = (values[0] > 0, values[1] > 0, max(1, int(values[2])))
         self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True), flags)

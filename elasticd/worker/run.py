@@ -45,6 +45,7 @@ from elasticd.worker.diagnostics import WorkerDiagnostics
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.fence import EtcdFence
 from elasticd.worker.guard import NonFiniteGuard, Verdict
+from elasticd.worker.hot_path import HotPath
 from elasticd.worker.sampler import ElasticSampler, StepSlice, micro_batch_loader
 from elasticd.worker.saver import FAILED, CheckpointFailedError, CheckpointSaver
 from elasticd.worker.settings import WorkerSettings
@@ -119,6 +120,10 @@ class Run:
         # this step's time that waits for no other rank: the library's data work and the model's forward passes
         self._own_s = 0.0
         self._forward_started = 0.0
+        # recovery in place (--recovery hot): armed by resume(), None when off or unsupported (then: cold restarts)
+        self.hot: HotPath | None = None
+        self._loaders: list[ElasticLoader] = []  # every loader made by dataloader(), by identity
+        self._replanned: dict[int, ElasticLoader] = {}  # id(original) -> the same loader planned for the new world
         if self.accelerator.is_main_process:
             self._remove_partials()
         self.accelerator.wait_for_everyone()
@@ -162,7 +167,9 @@ class Run:
         self._seed = seed
         self.accelerator.gradient_accumulation_steps = plan.accumulation
         sampler = ElasticSampler(len(dataset), plan, self.rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
-        return ElasticLoader(dataset, plan, sampler, collate_fn, num_workers)
+        loader = ElasticLoader(dataset, plan, sampler, collate_fn, num_workers)
+        self._loaders.append(loader)
+        return loader
 
     def _resize_or_stop(self, error: BatchPlanError) -> NoReturn:
         """This world does not split the global batch. Under a daemon, when another node count of the range does,
@@ -188,6 +195,7 @@ class Run:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
         self._reseed()
+        self.hot = HotPath.arm(self, model, optimizer, scheduler)
         self.coordinator.listen()
         # only now may the daemon send SIGUSR2 (its default action would kill this process), and SIGUSR1 for stacks
         capabilities = ["checkpoint_request", *(["stacks"] if self.diagnostics else [])]
@@ -264,12 +272,14 @@ class Run:
 
     def batches(self, loader: ElasticLoader, epochs: int = 1) -> Iterator[Any]:
         """This rank's micro-batches from the saved position until ``epochs`` epochs are done, exactly once each."""
-        accumulation = loader.plan.accumulation
+        original = loader
         while True:
             generation = self._generation
+            loader = self._replanned.get(id(original), original)  # a recovery in place re-planned it
+            accumulation = loader.plan.accumulation
             slices: deque[StepSlice] = deque()
 
-            def micro_stream(slices: deque[StepSlice] = slices) -> Iterator[Any]:
+            def micro_stream(slices: deque[StepSlice] = slices, loader: ElasticLoader = loader) -> Iterator[Any]:
                 for step_slice in loader.sampler.steps(
                     self.state.data, epochs, self.state.skipped_steps, on_skip=self._stepped_over
                 ):
@@ -319,6 +329,8 @@ class Run:
             return
         self._micro = 0
         assert self._slice is not None, "run.step() called outside run.batches()"
+        if self.hot is not None and self.hot.recovered_from_failure():
+            return  # the step was discarded on every rank; batches() goes on from the same sample at the new size
         now = time.perf_counter()
         step_time_s, self._step_started = now - self._step_started, now
         step_slice = self._slice
@@ -349,11 +361,50 @@ class Run:
         elif verdict is not Verdict.OVERFLOW:
             self._nonfinite(verdict, step_slice)
         self.faults.after_step(step)
+        if self.hot is not None:
+            self.hot.stepped()
         outcome = self.coordinator.at_step(step, step_time_s)
         if outcome.checkpoint:
             self.save(planned=outcome.requested)
         if outcome.requested:
             self._park()
+        self._step_started = time.perf_counter()
+
+    def plan_for(self, world_size: int) -> BatchPlan | None:
+        """The batch plan of the current loaders for ``world_size`` workers (same global batch); None without one."""
+        if self.plan is None:
+            return None
+        s = self.settings
+        return plan_batches(
+            self.plan.global_batch_size,
+            self.plan.micro_batch_size,
+            world_size,
+            nproc_per_node=s.nproc_per_node,
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
+        )
+
+    def regrouped(self, rank: int, world_size: int, state: TrainingState, plan: BatchPlan | None, token: str) -> None:
+        """After a recovery in place: train as ``rank`` of ``world_size`` from ``state`` (the healed one)."""
+        self.rank, self.world_size, self.state = rank, world_size, state
+        if plan is not None:
+            self.plan = plan
+            for loader in self._loaders:
+                old = loader.sampler
+                sampler = ElasticSampler(
+                    old.dataset_len, plan, rank, shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last
+                )
+                self._replanned[id(loader)] = replace(loader, plan=plan, sampler=sampler)
+        self.coordinator.regroup(rank, world_size)
+        if self.fence is not None:
+            self.fence.token = token
+        self.store.adopt_token(token)
+        self._micro = 0
+        self.accelerator.step = 0
+        self.log = get_logger(rank=rank, run_id=self.settings.run_id)
+        self._reseed()
+        self._generation += 1  # batches() restarts from the healed position with the new plan
+        self.slot.resumed(self.state.step)
         self._step_started = time.perf_counter()
 
     def _nonfinite(self, verdict: Verdict, step_slice: StepSlice) -> None:
@@ -485,6 +536,8 @@ class Run:
         self.saver.wait(everyone=True)
         if self.diagnostics is not None:
             self.diagnostics.close()
+        if self.hot is not None:
+            self.hot.close()
 
 
 _END = object()

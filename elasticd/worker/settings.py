@@ -32,6 +32,9 @@ class WorkerSettings:
     nproc_per_node: int = 1
     min_nodes: int | None = None
     max_nodes: int | None = None
+    recovery: str = "cold"  # "hot" under a daemon that asks for it (--recovery)
+    node_id: str | None = None
+    local_addr: str | None = None
 
     @property
     def under_daemon(self) -> bool:
@@ -61,4 +64,7 @@ class WorkerSettings:
             nproc_per_node=int(number("LOCAL_WORLD_SIZE", "1")),
             min_nodes=int(e[envvars.MIN_NODES]) if e.get(envvars.MIN_NODES) else None,
             max_nodes=int(e[envvars.MAX_NODES]) if e.get(envvars.MAX_NODES) else None,
+            recovery=e.get(envvars.RECOVERY) or "cold",
+            node_id=e.get(envvars.NODE_ID) or None,
+            local_addr=e.get(envvars.LOCAL_ADDR) or None,
         )

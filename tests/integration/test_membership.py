@@ -21,11 +21,12 @@ KEYS = RunKeys("members")
 A, B, C, D = "node-a", "node-b", "node-c", "node-d"
 
 
-def _first_epoch(m: Membership) -> None:
+def _first_epoch(m: Membership) -> Epoch:
     for member in (A, B, C):
         m.bid(1, Bid(member, None, 0))
     decided = m.try_decide(1, (), lambda _: False, min_members=2, round_=1, reason="join")
     assert decided is not None and set(decided.members) == {A, B, C}
+    return decided
 
 
 def _record(step: int, token: str) -> CheckpointRecord:
@@ -112,3 +113,21 @@ def test_a_waiting_member_hears_the_decision(etcd_client: EtcdClient) -> None:
         heard = waiting.result(timeout=30)
     assert heard is not None and heard.number == 2 and heard.members == (A, B)
     assert m.forget(2) == 2 and m.bids(2) == {}
+
+
+def test_a_group_whose_fence_was_replaced_cannot_decide(etcd_client: EtcdClient) -> None:
+    """A newer round (or epoch) wrote its own token: members of the old group may bid, never decide."""
+    m = Membership(etcd_client, KEYS)
+    first = _first_epoch(m)
+    etcd_client.put(KEYS.lineage_token, "7.newer-round")
+    m.bid(2, Bid(A, 0, 3))
+    m.bid(2, Bid(B, 1, 3))
+    stale = m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure", fence=first.token)
+    assert stale is None
+    assert Lineage(etcd_client, KEYS).token() == "7.newer-round"
+    current = m.current()
+    assert current is not None and current[0].number == 1
+    # the group that holds the fence decides
+    etcd_client.put(KEYS.lineage_token, first.token)
+    decided = m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure", fence=first.token)
+    assert decided is not None and decided.members == (A, B)

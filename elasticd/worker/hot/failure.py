@@ -10,7 +10,8 @@ we stopped waiting) is then ignored instead of failing a step that has nothing t
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,7 @@ class StepFailure:
     generation: int
     reason: str
     bucket: int | None = None
+    at: float = field(default_factory=time.monotonic)  # when it was recorded (time.monotonic() seconds)
 
 
 class StepHealth:

@@ -28,6 +28,7 @@ of a 20 s timeout). Abandoned groups are released once that timeout has certainl
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,6 +87,19 @@ class AbandonedGroups:
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def leak(self) -> int:
+        """At the end of the run: never destroy the groups still held (returns how many).
+
+        Interpreter teardown would otherwise run their destructors, each waiting out a pending collective for the
+        group's timeout (up to torch's 30 minutes for the first group) before the process can exit. One extra
+        reference each keeps them alive until the operating system reclaims the process.
+        """
+        for _, group in self._held:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+        leaked = len(self._held)
+        self._held = []
+        return leaked
 
 
 class Reformer:

@@ -1,0 +1,73 @@
+"""Is a member that did not bid dead? Two answers, the fast one from the kernel, the slow one from etcd.
+
+A member of the hot path keeps a listening TCP socket open (:class:`ProbeListener`) and publishes its address.
+After a failure, the survivors probe every member that has not bid for the next epoch (:func:`probe`):
+
+- **refused**: the port is closed, the process is gone (kill -9, a crash, its daemon took it down). The host's
+  kernel answers at once, so a killed worker is known dead in about a millisecond, not after a lease expires;
+- **accepted**: the process exists. It may still be stopped (SIGSTOP: the kernel accepts for a stopped process) or
+  stuck: its node's liveness lease (``agent/node_lease.py``, about a second) says whether its daemon is alive;
+- **no answer** within the probe timeout: the host itself is unreachable (power loss, partition); again the lease.
+
+So a member counts as dead when its port refuses or its node's lease is gone, and never on a timer shorter than a
+step (``../shared/HOT-RECOVERY.md``: a short grace once excluded a live survivor whose steps took seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import socket
+import threading
+from enum import StrEnum
+
+# How long one probe waits for a connection: on a LAN an accept takes well under a millisecond; past this the host
+# is treated as unreachable and the lease decides.
+PROBE_TIMEOUT_S = 0.2
+
+
+class Probe(StrEnum):
+    REFUSED = "refused"  # nobody listens: the process is gone
+    ACCEPTED = "accepted"  # the process exists (maybe stopped)
+    UNREACHABLE = "unreachable"  # no answer: the lease decides
+
+
+class ProbeListener:
+    """A listening socket in the worker: connections are accepted and closed by a daemon thread."""
+
+    def __init__(self, host: str = "0.0.0.0") -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((host, 0))
+        self._sock.listen(64)
+        self.port = int(self._sock.getsockname()[1])
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="elasticd-hot-probe", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
+    """Connect to ``host:port`` once."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return Probe.ACCEPTED
+    except ConnectionRefusedError:
+        return Probe.REFUSED
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET):
+            return Probe.REFUSED
+        return Probe.UNREACHABLE

@@ -1,0 +1,259 @@
+"""Hot recovery in one worker under a daemon: the building blocks of this package wired to the run's etcd.
+
+:meth:`HotSession.start` (a collective, at ``run.resume``) registers the hook and the failed-step guard on the
+prepared objects, opens the liveness port, publishes this member and learns the membership epoch in force. After a
+step whose gradients could not be reduced, :meth:`HotSession.recover`:
+
+1. writes the epoch's failure notice (releasing members that still wait in a collective) and bids for the next
+   epoch with this member's committed steps;
+2. waits until the epoch can be decided: every member of the current epoch bid, or is dead by the kernel's or the
+   daemons' verdict (``liveness.py``); then one etcd transaction decides it and moves the fence
+   (``elasticd/membership.py``); at least ``min_members`` must be left;
+3. re-forms the process group in place over etcd (a store no node takes down with it) and heals every member from
+   the one with the most committed steps.
+
+Anything that stops this (fewer than the minimum, a member dying during the re-formation, a batch plan that does not
+fit the new world, this member left out) raises :class:`HotFallback`: the worker exits and the daemons restart the
+group from the newest committed checkpoint, today's cold path.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+from accelerate.utils import broadcast_object_list
+
+from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.keys import RunKeys
+from elasticd.membership import BelowMinimum, Bid, Epoch, Membership
+from elasticd.rendezvous.store import EtcdV3Store
+from elasticd.worker.batching import BatchPlan, BatchPlanError
+from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
+from elasticd.worker.hot.errors import HotRecoveryError
+from elasticd.worker.hot.failure import StepFailure, StepHealth
+from elasticd.worker.hot.heal import heal
+from elasticd.worker.hot.liveness import Probe, ProbeListener, probe
+from elasticd.worker.hot.reform import Reformer
+from elasticd.worker.hot.step_guard import FailedStepGuard
+from elasticd.worker.hot.watch import FailureWatch
+from elasticd.worker.state import TrainingState
+
+# How long the survivors wait for the next epoch to be decided. A live member bids within one step of the failure
+# (its own collective fails or the notice releases it), a dead one is declared so within the lease (about a second):
+# this is a backstop for a member that is alive, stuck outside a collective and still leased (then: cold path).
+DECIDE_TIMEOUT_S = 120.0
+# Between two looks at the bids when nothing changed in etcd (seconds): a refused probe changes no key.
+_DECIDE_POLL_S = 0.05
+# Forming the new group waits this long for every member of the decided epoch (one that dies meanwhile: cold path).
+FORM_TIMEOUT = timedelta(seconds=60)
+
+
+class HotFallback(HotRecoveryError):
+    """Recovery in place is over for this run's group: exit for a cold restart. ``reason`` labels the metric."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+@dataclass(frozen=True, slots=True)
+class Recovered:
+    """The group this worker trains in after a recovery in place."""
+
+    epoch: Epoch
+    rank: int
+    world_size: int
+    state: TrainingState
+    plan: BatchPlan | None
+    heal_bytes: int
+    detected_at: float  # time.monotonic() of the failure
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who this worker is in the run, for its whole life (ranks change, the member name does not)."""
+
+    member: str
+    node_id: str
+    round: int
+    min_members: int
+
+
+class HotSession:
+    """One worker's hot path (see the module docstring)."""
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        client: EtcdClient,
+        keys: RunKeys,
+        identity: Identity,
+        fence: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.accelerator = accelerator
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.client = client
+        self.keys = keys
+        self.identity = identity
+        self.fence = fence
+        self._clock = clock
+        self.membership = Membership(client, keys, clock=clock)
+        self.health, self.holder = StepHealth(), GroupHolder()
+        self.watch = FailureWatch(client, keys)
+        self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
+        self.guard = FailedStepGuard(self.health)
+        self.reformer = Reformer(accelerator, model, self.holder)
+        self.listener: ProbeListener | None = None
+        self.epoch = 0
+        self.members: tuple[str, ...] = ()
+        self.rank = int(accelerator.process_index)
+        self._records: dict[str, dict[str, Any]] = {}
+        self._dead: set[str] = set()
+
+    # -- start ---------------------------------------------------------------------------------------------------
+
+    def start(self, advertise: str) -> None:
+        """Arm the hook and the guard, publish this member, learn the epoch in force (every rank calls it)."""
+        self.hook.register(self.model)
+        self.guard.install(self.optimizer)
+        self.listener = ProbeListener()
+        record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
+        self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))
+        current: list[int | None] = [None]
+        if self.rank == 0:
+            found = self.membership.current()
+            current = [0 if found is None else found[0].number]
+        # also the barrier after which every member's record is in etcd
+        current = broadcast_object_list(current, from_process=0)
+        self.epoch = int(current[0] or 0)
+        world = int(self.accelerator.num_processes)
+        prefix = self.identity.member.rsplit(".", 1)[0]
+        self.members = tuple(f"{prefix}.{rank}" for rank in range(world))
+        self.watch.follow(self.epoch, self._nodes_of(self.members))
+
+    def take_failure(self) -> StepFailure | None:
+        """At the optimizer-step boundary: the failure of the step that just ended, if any (once per step)."""
+        return self.guard.take()
+
+    # -- recovery ------------------------------------------------------------------------------------------------
+
+    def recover(
+        self,
+        failure: StepFailure,
+        state: TrainingState,
+        plan_for: Callable[[int], BatchPlan | None],
+        reason: str = "failure",
+    ) -> Recovered:
+        try:
+            return self._recover(failure, state, plan_for, reason)
+        except HotFallback:
+            raise
+        except BelowMinimum as exc:
+            raise HotFallback("below_minimum", str(exc)) from None
+        except BatchPlanError as exc:
+            raise HotFallback("batch_plan", str(exc)) from None
+        except HotRecoveryError as exc:
+            raise HotFallback("reform_failed", str(exc)) from None
+        except EtcdError as exc:
+            raise HotFallback("etcd", str(exc)) from None
+
+    def _recover(
+        self, failure: StepFailure, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], reason: str
+    ) -> Recovered:
+        me = self.identity.member
+        self.client.create(self.keys.membership_notice(self.epoch), f"{me}: {failure.reason}")
+        target = self.epoch + 1
+        self.membership.bid(target, Bid(me, self.rank, state.step))
+        decision = self._decide(target, reason)
+        if decision.number != target:
+            raise HotFallback("epoch_skipped", f"expected epoch {target}, epoch {decision.number} is in force")
+        rank = decision.rank_of(me)
+        if rank is None:
+            raise HotFallback("excluded", f"epoch {target} was decided without {me}: this member is out")
+        world = len(decision.members)
+        plan = plan_for(world)  # the same on every member: all fall back together if the world does not fit
+        store = EtcdV3Store(self.client, self.keys.hot_group_store(self.identity.round, target), FORM_TIMEOUT)
+        self.reformer.reform(store, rank, world, plan)
+        healed, report = heal(0, self.model, self.optimizer, self.scheduler, state)
+        self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
+        self.watch.follow(target, self._nodes_of(decision.members))
+        if rank == 0:
+            self.membership.forget(target - 1)
+        return Recovered(decision, rank, world, healed, plan, report.payload_bytes, failure.at)
+
+    def _decide(self, target: int, reason: str) -> Epoch:
+        deadline = self._clock() + DECIDE_TIMEOUT_S
+        while True:
+            before = self.client.revision()
+            decision = self.membership.try_decide(
+                target,
+                self.members,
+                self._is_dead,
+                min_members=self.identity.min_members,
+                round_=self.identity.round,
+                reason=reason,
+                fence=self.fence,
+            )
+            if decision is not None:
+                return decision
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise HotFallback("decision_timeout", f"epoch {target} was not decided within {DECIDE_TIMEOUT_S:g}s")
+            self.client.wait_for_change(self.keys.membership_prefix, before + 1, min(_DECIDE_POLL_S, remaining), True)
+
+    def _is_dead(self, member: str) -> bool:
+        if member in self._dead:
+            return True
+        record = self._record(member)
+        if record is None:
+            dead = True  # every member publishes before the first step: its record is gone with etcd's data
+        else:
+            alive = self.client.get(self.keys.membership_alive(str(record["node"]))) is not None
+            dead = not alive or probe(str(record["addr"])) is Probe.REFUSED
+        if dead:
+            self._dead.add(member)
+        return dead
+
+    def _record(self, member: str) -> dict[str, Any] | None:
+        if member not in self._records:
+            found = self.client.get(self.keys.membership_member(member))
+            if found is None:
+                return None
+            self._records[member] = json.loads(found[0])
+        return self._records[member]
+
+    def _nodes_of(self, members: tuple[str, ...]) -> set[str]:
+        nodes = set()
+        for member in members:
+            record = self._record(member)
+            if record is not None:
+                nodes.add(str(record["node"]))
+        return nodes
+
+    def close(self) -> None:
+        self.watch.close()
+        self.hook.close()
+        self.reformer.abandoned.leak()
+        if self.listener is not None:
+            self.listener.close()
+
+
+def advertised_host(local_addr: str | None) -> str:
+    """The address peers probe this worker at: the daemon's ``--local-addr``, else this host's name."""
+    return local_addr or socket.getfqdn()
+
+
+def is_gloo_world() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"

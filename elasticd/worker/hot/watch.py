@@ -1,0 +1,80 @@
+"""The out-of-band failure notice: a thread that tells the hook, within milliseconds, that the step failed elsewhere.
+
+Only the direct peers of a dead rank see gloo report a reset connection; a survivor whose all-reduce waits on
+another survivor that already gave up would otherwise wait for the bucket timeout. And a vanished node (power loss,
+partition, SIGSTOP) resets nothing at all. So every member follows its run's ``membership/`` keys with one etcd
+watch and answers the hook's question (:meth:`FailureWatch.reason`, asked every 20 ms while a bucket is in flight,
+never otherwise) from memory:
+
+- ``membership/notice/<epoch>``: a member of the current epoch saw its step fail (it writes the key first thing);
+- ``membership/alive/<node>`` gone for a node of a current member: that node's daemon stopped refreshing its
+  one-second lease (``agent/node_lease.py``).
+
+A healthy step costs nothing here: the watch wakes only when a key under ``membership/`` changes, and lease
+refreshes change no key.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Collection
+
+from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.keys import RunKeys
+
+# How long one watch call lasts before it is renewed (seconds); a change wakes it at once.
+_WATCH_SLICE_S = 5.0
+# After an etcd error, wait this long before watching again (seconds).
+_RETRY_S = 0.5
+
+
+class FailureWatch:
+    """Follows one epoch's notice key and its members' node leases; :meth:`reason` is the verdict."""
+
+    def __init__(self, client: EtcdClient, keys: RunKeys) -> None:
+        self._client = client
+        self._keys = keys
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._nodes: frozenset[str] = frozenset()
+        self._reason: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def follow(self, epoch: int, nodes: Collection[str]) -> None:
+        """Watch ``epoch`` (whose members run on ``nodes``) from now on; forgets the previous epoch's verdict."""
+        with self._lock:
+            self._epoch, self._nodes, self._reason = epoch, frozenset(nodes), None
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="elasticd-hot-watch", daemon=True)
+            self._thread.start()
+
+    def reason(self) -> str | None:
+        with self._lock:
+            return self._reason
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                before = self._client.revision()
+                self._evaluate()
+                self._client.wait_for_change(self._keys.membership_prefix, before + 1, _WATCH_SLICE_S, prefix=True)
+            except EtcdError:
+                self._stop.wait(_RETRY_S)
+
+    def _evaluate(self) -> None:
+        with self._lock:
+            epoch, nodes = self._epoch, self._nodes
+        found = self._client.get(self._keys.membership_notice(epoch))
+        reason = None if found is None else f"failure notice: {found[0].decode(errors='replace')}"
+        if reason is None and nodes:
+            alive = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_alive_prefix)}
+            gone = sorted(nodes - alive)
+            if gone:
+                reason = f"node liveness lease gone: {', '.join(gone)}"
+        with self._lock:
+            if self._epoch == epoch and reason is not None:
+                self._reason = reason
