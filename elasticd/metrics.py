@@ -19,6 +19,10 @@ RESTART_REASONS = ("failure", "hang", "nan", "membership", "drain")
 NONFINITE_ACTIONS = ("skip", "rollback", "stop")
 CHECKPOINT_FAILURE_REASONS = ("fenced", "error")
 CHECKPOINT_PHASES = ("blocking", "total")
+# Hot recovery (beyond DESIGN.md §3's minimum set): why the group re-formed in place, and why a worker gave the hot
+# path up for the cold restart ("unsupported:<what>" counts as unsupported; a reason not listed here, as other).
+RECONFIGURATION_REASONS = ("failure", "hang", "join", "leave")
+HOT_FALLBACK_REASONS = ("below_minimum", "reform_failed", "heal_failed", "unsupported", "other")
 
 # Seconds; spans a rendezvous on one host (~0.1 s) to a slow cluster formation (minutes).
 _RDZV_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120, 300)
@@ -26,6 +30,9 @@ _RDZV_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120, 300)
 _STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _CKPT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 _RECOVERY_BUCKETS = (1, 2, 3, 5, 8, 10, 15, 20, 30, 45, 60, 120, 300, 600)
+# Seconds; an in-place re-formation takes 0.1-2 s (issue 11's targets: 0.5 s node loss, 1.5 s hang, 2 s vanished
+# node are bucket edges, so quantiles near them are exact) and 30 s is far beyond what the hot path should need.
+_RECONFIG_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 30)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +67,11 @@ class Metrics:
     lost_steps_total: Counter
     goodput_ratio: Gauge
     etcd_errors_total: Counter
+    reconfigurations_total: Counter
+    reconfiguration_duration_seconds: Histogram
+    heal_bytes_total: Counter
+    membership_epoch: Gauge
+    hot_fallbacks_total: Counter
 
     @classmethod
     def create(
@@ -148,6 +160,25 @@ class Metrics:
                 "elasticd_goodput_ratio", "Productive step time over wall time since the run started.", **kw
             ),
             etcd_errors_total=Counter("elasticd_etcd_errors", "Failed etcd calls.", **kw),
+            reconfigurations_total=Counter(
+                "elasticd_reconfigurations", "In-place re-formations of the process group by reason.", ["reason"], **kw
+            ),
+            reconfiguration_duration_seconds=Histogram(
+                "elasticd_reconfiguration_duration_seconds",
+                "Fault detected to the first completed step at the new size, re-formed in place.",
+                buckets=_RECONFIG_BUCKETS,
+                **kw,
+            ),
+            heal_bytes_total=Counter(
+                "elasticd_heal_bytes", "Bytes this node's workers sent or received to heal members in place.", **kw
+            ),
+            membership_epoch=Gauge("elasticd_membership_epoch", "Membership epoch in force (hot recovery).", **kw),
+            hot_fallbacks_total=Counter(
+                "elasticd_hot_fallbacks",
+                "Times the hot path gave up and the workers restarted cold, by reason.",
+                ["reason"],
+                **kw,
+            ),
         )
         m.info.labels(version=version, node=node).set(1)
         m.min_nodes.set(min_nodes)
@@ -160,6 +191,10 @@ class Metrics:
             m.checkpoint_duration_seconds.labels(phase=phase)
         for reason in CHECKPOINT_FAILURE_REASONS:
             m.checkpoint_failures_total.labels(reason=reason)
+        for reason in RECONFIGURATION_REASONS:
+            m.reconfigurations_total.labels(reason=reason)
+        for reason in HOT_FALLBACK_REASONS:
+            m.hot_fallbacks_total.labels(reason=reason)
         return m
 
 

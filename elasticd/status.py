@@ -4,6 +4,8 @@ Read-only: it lists the node registry and ``checkpoint/latest``. A node whose re
 :data:`STALE_AFTER_S` is shown as ``stale`` (its lease is about to expire, or its daemon is stuck). A node in state
 ``spare`` is healthy and idle: the round's node count does not split the global batch, so it waits for the next
 membership change (``agent/spares.py``); the run is ``ok`` while the others train, ``waiting`` when every node is one.
+``epoch`` is the membership epoch in force (hot recovery re-forms the group in place without a new round; each node
+records the epoch it last re-formed into, ``agent/reconfig.py``): ``-`` until the first re-formation.
 """
 
 from __future__ import annotations
@@ -38,15 +40,22 @@ def collect_status(client: EtcdClient, run_id: str, now: float | None = None) ->
         node["age_s"] = round(age, 1)
     latest = client.get(keys.checkpoint_latest)
     checkpoint = json.loads(latest[0]) if latest else None
+    return summarize(run_id, nodes, checkpoint)
+
+
+def summarize(run_id: str, nodes: list[dict[str, Any]], checkpoint: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's status from its node records (each with ``health`` and ``age_s``) and its latest checkpoint."""
     rounds = [n["round"] for n in nodes if isinstance(n.get("round"), int)]
     steps = [n["last_step"] for n in nodes if isinstance(n.get("last_step"), int)]
     sizes = [n["world_size"] for n in nodes if isinstance(n.get("world_size"), int)]
+    epochs = [n["epoch"] for n in nodes if isinstance(n.get("epoch"), int)]
     spares = [str(n.get("node_id")) for n in nodes if n.get("state") == "spare"]
     return {
         "run_id": run_id,
         "nodes": nodes,
         "node_count": len(nodes),
         "round": max(rounds) if rounds else None,
+        "epoch": max(epochs) if epochs else None,
         "world_size": max(sizes) if sizes else None,
         "step": max(steps) if steps else None,
         "checkpoint": checkpoint,
@@ -90,18 +99,19 @@ def show_status(
     return EXIT_OK
 
 
-def _render(status: dict[str, Any]) -> None:
-    console = Console()
+def _render(status: dict[str, Any], console: Console | None = None) -> None:
+    console = console or Console()
     ckpt = status["checkpoint"]
     console.print(
         f"run [bold]{status['run_id']}[/]  health [bold]{status['health']}[/]  nodes {status['node_count']}  "
-        f"round {_dash(status['round'])}  world size {_dash(status['world_size'])}  step {_dash(status['step'])}  "
+        f"round {_dash(status['round'])}  epoch {_dash(status['epoch'])}  world size {_dash(status['world_size'])}  "
+        f"step {_dash(status['step'])}  "
         f"last checkpoint {_dash(ckpt.get('step') if ckpt else None)}"
         + (f"  spares {len(status['spares'])}" if status["spares"] else "")
     )
     if not status["nodes"]:
         return
-    table = Table("node", "host", "pid", "state", "round", "workers", "last step", "updated", "health")
+    table = Table("node", "host", "pid", "state", "round", "epoch", "workers", "last step", "updated", "health")
     for n in status["nodes"]:
         table.add_row(
             str(n.get("node_id")),
@@ -109,6 +119,7 @@ def _render(status: dict[str, Any]) -> None:
             str(n.get("pid")),
             str(n.get("state")),
             _dash(n.get("round")),
+            _dash(n.get("epoch")),
             _dash(n.get("workers")),
             _dash(n.get("last_step")),
             f"{n['age_s']}s ago",

@@ -23,6 +23,9 @@ NO_PROGRESS_S = 900
 RESTART_STORM_COUNT = 3
 LOW_GOODPUT_RATIO = 0.7
 ETCD_ERRORS_PER_10M = 5
+# Seconds; p90 of in-place re-formations above this over 30 minutes: hot recovery takes ~0.1-2 s (issue 11), a cold
+# restart 8-17 s, so above 5 s the hot path has lost most of its point.
+SLOW_RECONFIGURATION_S = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,11 @@ def _alerts() -> list[Alert]:
     goodput = "max by (job) (elasticd_goodput_ratio)"
     etcd_errors = "sum by (job, instance) (increase(elasticd_etcd_errors_total[10m]))"
     stragglers = "sum by (job) (increase(elasticd_stragglers_total[30m]))"
+    # every node of the group counts the same fallback: the largest count, not the sum
+    fallbacks = "max by (job, reason) (increase(elasticd_hot_fallbacks_total[15m]))"
+    reconfig_p90 = (
+        "histogram_quantile(0.9, sum by (job, le) (increase(elasticd_reconfiguration_duration_seconds_bucket[30m])))"
+    )
     return [
         Alert(
             "ElasticdHangDetected",
@@ -150,6 +158,28 @@ def _alerts() -> list[Alert]:
             "info",
             "elasticd run {{ $labels.job }} reported {{ $value | humanize }} straggler(s) in 30 minutes",
             "A rank was slower than the group median for a sustained window; every step waits for it.",
+        ),
+        Alert(
+            "ElasticdHotRecoveryFellBack",
+            fallbacks,
+            f"{fallbacks} > 0",
+            "0m",
+            "warning",
+            "elasticd run {{ $labels.job }}: hot recovery fell back to a cold restart {{ $value | humanize }} "
+            "time(s) in 15 minutes ({{ $labels.reason }})",
+            "The group could not re-form in place and the workers restarted from the newest committed checkpoint: "
+            "the steps since it are redone. The hot_fallback event carries the reason and the message.",
+        ),
+        Alert(
+            "ElasticdSlowReconfiguration",
+            reconfig_p90,
+            f"{reconfig_p90} > {SLOW_RECONFIGURATION_S}",
+            "0m",
+            "warning",
+            "elasticd run {{ $labels.job }}: p90 in-place reconfiguration time is {{ $value | humanize }}s "
+            "over 30 minutes",
+            f"In-place re-formations took more than {SLOW_RECONFIGURATION_S} s (90th percentile, fault detected to "
+            "the first step at the new size) where they should take about a second.",
         ),
     ]
 

@@ -305,12 +305,70 @@ def _rendezvous_etcd() -> list[PanelSpec]:
     ]
 
 
+def _hot_recovery() -> list[PanelSpec]:
+    # Every node of the group counts the same in-place change: run-level views take the largest count, not the sum.
+    return [
+        PanelSpec(
+            "Reconfigurations by reason",
+            "In-place re-formations of the process group per window, by reason: failure, hang, join, leave (the "
+            "largest count among the selected nodes; every node counts the same change).",
+            [
+                Query(
+                    f"max by (reason) ({per_node(rate('increase', 'elasticd_reconfigurations_total'))})",
+                    "{{reason}}",
+                )
+            ],
+            bars=True,
+            width=8,
+        ),
+        PanelSpec(
+            "Reconfiguration time",
+            "Fault detected to the first completed step at the new size, re-formed in place (p50, p90 of the "
+            "re-formations in each window).",
+            [
+                Query(_quantile(0.5, "elasticd_reconfiguration_duration_seconds_bucket", "le"), "p50"),
+                Query(_quantile(0.9, "elasticd_reconfiguration_duration_seconds_bucket", "le"), "p90"),
+            ],
+            unit="s",
+            width=8,
+        ),
+        PanelSpec(
+            "Heal bytes",
+            "Bytes each node's workers sent or received to heal members in place (a joiner's state from a live "
+            "peer) per window.",
+            [Query(per_node(rate("increase", "elasticd_heal_bytes_total")), "{{node}}")],
+            unit="bytes",
+            bars=True,
+            width=8,
+        ),
+        PanelSpec(
+            "Membership epoch",
+            "The membership epoch in force as each node last re-formed into it; a node behind the others was left "
+            "out of the newer epochs (0 until its first re-formation in place).",
+            [Query(per_node("elasticd_membership_epoch"), "{{node}}")],
+        ),
+        PanelSpec(
+            "Hot fallbacks by reason",
+            "Times the hot path gave up and the workers restarted cold from the newest checkpoint, by reason "
+            "(below_minimum, reform_failed, heal_failed, unsupported, other; the largest count among nodes).",
+            [
+                Query(
+                    f"max by (reason) ({per_node(rate('increase', 'elasticd_hot_fallbacks_total'))})",
+                    "{{reason}}",
+                )
+            ],
+            bars=True,
+        ),
+    ]
+
+
 ROWS: tuple[tuple[str, Callable[[], list[PanelSpec]]], ...] = (
     ("Run health", _health),
     ("Failures", _failures),
     ("Checkpoints", _checkpoints),
     ("Step time", _step_time),
     ("Rendezvous and etcd", _rendezvous_etcd),
+    ("Hot recovery", _hot_recovery),
 )
 
 

@@ -68,6 +68,7 @@ class NodeRegistry:
             "world_size": None,
             "nodes": None,
             "last_step": None,
+            "epoch": None,  # the membership epoch in force (hot recovery; agent/reconfig.py), None before the first
             **procid.identity(),  # boot_id, pid_ns, pid_start: lets a daemon on this machine tell if we still run
         }
         self._stop = threading.Event()

@@ -26,6 +26,7 @@ from elasticd import envvars
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.policy import Action, GroupState, HangReport, Observation, SupervisorPolicy
 from elasticd.agent.progress import ProgressTracker
+from elasticd.agent.reconfig import Reconfigurations
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.spares import Sizing
@@ -105,6 +106,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
         self.progress = ProgressTracker(metrics, registry, self.reports, lambda: self._log, clock, self.stragglers)
+        self.reconfigurations = Reconfigurations(metrics, registry.update, lambda: self._log)
         self.hangs = hangs
         self._read_peers = read_peers
         self._workers_started_at = clock()
@@ -304,6 +306,7 @@ class ElasticdAgent(LocalElasticAgent):
     def on_beat(self, beat: dict[str, Any]) -> None:
         """Called on the beat receiver's thread for every beat of a local worker."""
         self.progress.on_beat(beat)
+        self.reconfigurations.on_beat(beat)
         self.sizing.on_beat(beat)
 
     # -- the loop ------------------------------------------------------------------------------------------------

@@ -19,7 +19,15 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from elasticd.metrics import CHECKPOINT_FAILURE_REASONS, CHECKPOINT_PHASES, NONFINITE_ACTIONS, RESTART_REASONS, Metrics
+from elasticd.metrics import (
+    CHECKPOINT_FAILURE_REASONS,
+    CHECKPOINT_PHASES,
+    HOT_FALLBACK_REASONS,
+    NONFINITE_ACTIONS,
+    RECONFIGURATION_REASONS,
+    RESTART_REASONS,
+    Metrics,
+)
 from grafana import alerts, dashboard, generate
 from tests.prometheus_tools import INSTALL_TIMEOUT_S, require_prometheus
 
@@ -67,6 +75,15 @@ EXTRA: dict[str, tuple[str, dict[str, tuple[str, ...] | None]]] = {
     "elasticd_stragglers_total": ("counter", {}),
     "elasticd_fence_token_failures_total": ("counter", {}),
     "elasticd_spare": ("gauge", {}),
+    # hot recovery (issue 11: "beyond the DESIGN.md §3 minimum set")
+    "elasticd_reconfigurations_total": ("counter", {"reason": ("failure", "hang", "join", "leave")}),
+    "elasticd_reconfiguration_duration_seconds": ("histogram", {}),
+    "elasticd_heal_bytes_total": ("counter", {}),
+    "elasticd_membership_epoch": ("gauge", {}),
+    "elasticd_hot_fallbacks_total": (
+        "counter",
+        {"reason": ("below_minimum", "reform_failed", "heal_failed", "unsupported", "other")},
+    ),
 }
 _METRIC_NAME = re.compile(r"\belasticd_[a-z0-9_]+")
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -135,6 +152,8 @@ def test_label_value_constants_match_the_contract() -> None:
     assert set(CHECKPOINT_PHASES) == set(CONTRACT["elasticd_checkpoint_duration_seconds"][1]["phase"] or ())
     reasons = LABELS_BEYOND_DESIGN["elasticd_checkpoint_failures_total"]["reason"]
     assert set(CHECKPOINT_FAILURE_REASONS) == set(reasons or ())
+    assert set(RECONFIGURATION_REASONS) == set(EXTRA["elasticd_reconfigurations_total"][1]["reason"] or ())
+    assert set(HOT_FALLBACK_REASONS) == set(EXTRA["elasticd_hot_fallbacks_total"][1]["reason"] or ())
 
 
 def test_info_gauge_carries_version_and_node() -> None:
@@ -192,6 +211,8 @@ def test_alerts_cover_the_failures_the_issue_names() -> None:
         "elasticd_nonfinite_steps_total",  # non-finite loss
         "elasticd_goodput_ratio",  # low goodput
         "elasticd_etcd_errors_total",  # etcd errors
+        "elasticd_hot_fallbacks_total",  # hot recovery fell back to cold (issue 11)
+        "elasticd_reconfiguration_duration_seconds_bucket",  # slow in-place reconfigurations (issue 11)
     }
     assert needed <= set().union(*watched.values())
 
@@ -280,7 +301,8 @@ def test_node_variable_is_multi_select_from_elasticd_info_and_filters_per_node_p
 
 def test_rows_hold_the_panels_the_issue_asks_for() -> None:
     titles = {p["title"] for p in _all_panels(_dashboard())}
-    assert {"Run health", "Failures", "Checkpoints", "Step time", "Rendezvous and etcd"} <= titles
+    assert {"Run health", "Failures", "Checkpoints", "Step time", "Rendezvous and etcd", "Hot recovery"} <= titles
+    assert {"Reconfigurations by reason", "Reconfiguration time", "Heal bytes"} <= titles
     heatmaps = [p for p in _all_panels(_dashboard()) if p["type"] == "heatmap"]
     assert heatmaps and heatmaps[0]["targets"][0]["format"] == "heatmap"
     assert "elasticd_step_duration_seconds_bucket" in heatmaps[0]["targets"][0]["expr"]
