@@ -86,11 +86,12 @@ def main() -> None:
             optimizer.zero_grad()
         if record is not None:
             ids = batch["id"][batch["valid"]].tolist()
-            attempt = {"round": run.settings.round, "rollbacks": run.state.rollbacks}  # a step may be tried again
+            # a step may be tried again: after a rollback, a restart (round) or a recovery in place (epoch)
+            attempt = {"round": run.settings.round, "rollbacks": run.state.rollbacks, "epoch": run.epoch}
             line = {"step": run.state.step + 1, **attempt, "rank": run.rank, "ids": ids}
             print(json.dumps(line), file=record, flush=True)
-        run.step(loss)  # beat, NaN guard, periodic or requested checkpoint
-        if accelerator.sync_gradients:
+        # beat, NaN guard, periodic or requested checkpoint; True once per completed optimizer step
+        if run.step(loss):
             time.sleep(args.sleep)
             if accelerator.is_main_process:
                 line = {
@@ -100,7 +101,7 @@ def main() -> None:
                     "loss": round(loss.item(), 6),
                     "lr": scheduler.get_last_lr()[0],
                     "world_size": accelerator.num_processes,
-                    "accumulation": loader.plan.accumulation,
+                    "accumulation": accelerator.gradient_accumulation_steps,
                     "t": time.time(),
                 }
                 print(json.dumps(line), flush=True)

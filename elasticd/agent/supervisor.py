@@ -102,6 +102,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.token: str | None = None  # the fencing token of the current group's workers
         self._round_token: str | None = None  # the token the round started with: its workers' member names
         self._membership = membership  # hot recovery's epochs: each one moves the token in place
+        self.regrouped_in_place = False  # the workers re-formed their group in place during this round
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
@@ -131,6 +132,7 @@ class ElasticdAgent(LocalElasticAgent):
                 self.round = getattr(handler, "round", None)
                 members = self._exchange_node_ids(worker_group)
                 self.token = self._agree_token(worker_group)
+                self.regrouped_in_place = False
                 break
             except RoundAbandonedError as exc:
                 # A member died (or left) before the round could start training: form the next one, as after
@@ -308,6 +310,16 @@ class ElasticdAgent(LocalElasticAgent):
         self.progress.on_beat(beat)
         self.reconfigurations.on_beat(beat)
         self.sizing.on_beat(beat)
+        if beat.get("kind") == "reconfigured":
+            self.regrouped_in_place = True
+
+    def _exit_barrier(self) -> None:
+        # torch waits for every agent of the round here; after a recovery in place a lost node never comes, and
+        # the wait would last torch's exit-barrier timeout (5 min). The group's store is etcd: nobody hosts it.
+        if self.regrouped_in_place:
+            self._log.info("exit_barrier_skipped", reason="the group re-formed in place since the round began")
+            return
+        super()._exit_barrier()
 
     # -- the loop ------------------------------------------------------------------------------------------------
 

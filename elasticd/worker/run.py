@@ -321,16 +321,21 @@ class Run:
         real = [i for i, valid in zip(micro.indices, micro.valid, strict=True) if valid]
         return self.faults.nan_samples(self._slice.epoch, real)
 
-    def step(self, loss: Any = None) -> None:
-        """Account for one micro-batch; after the last of an optimizer step, everything an optimizer step implies."""
+    def step(self, loss: Any = None) -> bool:
+        """Account for one micro-batch; after the last of an optimizer step, everything an optimizer step implies.
+
+        True when an optimizer step was completed and counted (``run.state.step`` moved on); False while the
+        micro-batches of a step accumulate, and for a step that failed on the way and was discarded on every rank
+        (a peer was lost: the group re-formed in place, and the same samples come again at the new size).
+        """
         self._micro += 1
         self._loss = loss
         if self.plan is not None and self._micro < self.plan.accumulation:
-            return
+            return False
         self._micro = 0
         assert self._slice is not None, "run.step() called outside run.batches()"
         if self.hot is not None and self.hot.recovered_from_failure():
-            return  # the step was discarded on every rank; batches() goes on from the same sample at the new size
+            return False  # discarded on every rank; batches() goes on from the same sample at the new size
         now = time.perf_counter()
         step_time_s, self._step_started = now - self._step_started, now
         step_slice = self._slice
@@ -369,6 +374,12 @@ class Run:
         if outcome.requested:
             self._park()
         self._step_started = time.perf_counter()
+        return True
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch this worker trains in (0 before any recovery in place, and without one)."""
+        return self.hot.session.epoch if self.hot is not None else 0
 
     def plan_for(self, world_size: int) -> BatchPlan | None:
         """The batch plan of the current loaders for ``world_size`` workers (same global batch); None without one."""
