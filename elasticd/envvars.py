@@ -43,3 +43,8 @@ FAULT_DIE_AFTER_RDZV = "ELASTICD_FAULT_DIE_AFTER_RDZV"
 # torch reads this inside DynamicRendezvousHandler.next_rendezvous: "1" makes every round pick a fresh worker
 # store address instead of reusing round 1's, whose host may be gone (pytorch issue #135712).
 TORCH_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# torch reads these when it creates an NCCL process group (elasticd/worker/hot/backend.py gives the daemon their
+# values for hot recovery): what the watchdog does on an NCCL error or timeout (torch's default tears the process
+# down), and whether NCCL communicators are non-blocking (so that an abort from another thread cannot hang).
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+TORCH_NCCL_USE_COMM_NONBLOCKING = "TORCH_NCCL_USE_COMM_NONBLOCKING"

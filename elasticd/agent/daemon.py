@@ -113,6 +113,10 @@ def run_daemon(cfg: StartConfig) -> int:
         _export_worker_env(cfg, socket_path, endpoints, board_dir)
         if local_addr:
             os.environ[envvars.LOCAL_ADDR] = local_addr
+        if cfg.recovery == "hot":
+            from elasticd.worker.hot.backend import worker_env
+
+            os.environ.update(worker_env(os.environ))  # NCCL: raise and keep the process on a communicator error
 
         params = RendezvousParameters(
             backend="etcd-v3",

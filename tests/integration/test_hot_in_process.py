@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elasticd.worker.hot.backend import GlooGroups, groups_for
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce, resilient_allreduce_hook
 from elasticd.worker.hot.errors import HealError, UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
@@ -44,12 +45,12 @@ class Bucket:
         return self._buffer
 
 
-def gloo_pair() -> list[Any]:
+def gloo_pair(timeout: timedelta = timedelta(seconds=30)) -> list[Any]:
     store = dist.HashStore()
     groups: list[Any] = [None, None]
 
     def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=30))
+        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
 
     threads = [threading.Thread(target=make, args=(rank,)) for rank in range(2)]
     for t in threads:
@@ -108,6 +109,47 @@ def test_an_abort_completes_every_in_flight_bucket_unreduced_and_fails_the_step(
     late = hook.reduce(Bucket(2, [5.0]))  # type: ignore[arg-type]
     assert late.done() and late.value().tolist() == [5.0]
     catch_up(pair[1], 2, 1)
+
+
+def test_polled_buckets_settle_when_their_collectives_complete(pair: list[Any]) -> None:
+    """The way buckets on a GPU are settled (their futures complete at enqueue), exercised on gloo."""
+    hooks = [hook_for(g, poll=True)[0] for g in pair]
+    futures = [[hooks[r].reduce(Bucket(i, [2.0 * r + i, 4.0])) for i in range(2)] for r in range(2)]  # type: ignore[arg-type]
+    assert [[result(f).tolist() for f in fs] for fs in futures] == [[[1.0, 4.0], [2.0, 4.0]]] * 2
+    assert not any(h.health.failed for h in hooks)
+    for hook in hooks:
+        hook.close()
+
+
+def test_a_polled_bucket_whose_collective_fails_fails_the_step() -> None:
+    """gloo's own timeout (0.5 s) fails the collective: the work completes with an error, which the poll reads."""
+    pair = gloo_pair(timeout=timedelta(seconds=0.5))
+    hook, health = hook_for(pair[0], poll=True)
+    future = hook.reduce(Bucket(0, [1.0, 2.0]))  # type: ignore[arg-type]
+    assert result(future).tolist() == [1.0, 2.0]  # this rank's own gradient
+    failure = health.failure
+    assert failure is not None and "all-reduce of bucket 0 failed" in failure.reason, failure
+    hook.close()
+
+
+def test_an_abort_completes_polled_buckets_too(pair: list[Any]) -> None:
+    hook, health = hook_for(pair[0], poll=True)
+    futures = [hook.reduce(Bucket(i, [float(i)])) for i in range(2)]  # type: ignore[arg-type]
+    time.sleep(0.05)
+    assert not any(f.done() for f in futures)  # polled, not completed: rank 1 never came
+    hook.abort("peer 1 declared dead")
+    assert [result(f).tolist() for f in futures] == [[0.0], [1.0]]
+    assert health.failure is not None
+    hook.close()
+    catch_up(pair[1], 1, 1)
+
+
+def test_the_default_groups_backend_picks_how_groups_are_re_formed() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert isinstance(groups_for(dist.group.WORLD, timeout=timedelta(seconds=30), environ={}), GlooGroups)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_bucket_past_its_deadline_fails_the_step(pair: list[Any]) -> None:

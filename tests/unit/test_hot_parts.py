@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from elasticd.worker.hot.backend import _RELEASE_MARGIN_S, AbandonedGroups
 from elasticd.worker.hot.heal import HealReport, _attach, _chunks, _detach, order_by_progress
-from elasticd.worker.hot.reform import _RELEASE_MARGIN_S, AbandonedGroups
 
 
 def test_the_member_with_the_most_steps_comes_first_and_ties_go_to_the_smaller_id() -> None:

@@ -7,7 +7,9 @@ One job per module, wired together by the caller (the worker library, later; the
   and turns any failure into a failed step instead of an exception in the training loop.
 - ``step_guard.py``: :class:`FailedStepGuard`, which skips a failed step's optimizer and scheduler steps.
 - ``reform.py``: :class:`Reformer`, a new default group in place and the prepared DDP model and accelerate state
-  moved to it; :func:`start_private_world` for a joiner.
+  moved to it; :func:`start_private_world` (and on a GPU :func:`expect_world`) for a joiner.
+- ``backend.py``: what differs per backend (:class:`GlooGroups`, :class:`NcclGroups` — NCCL unverified, no GPU
+  here): how the old group is retired and the new one formed; :func:`worker_env` for the daemon.
 - ``heal.py``: :func:`heal`, the source member's state copied to all members over the new group.
 - ``canary.py``: the private torch/accelerate attributes all this relies on, checked at start.
 - ``errors.py``: what makes the hot path give up (the caller then falls back to the cold path).
@@ -24,21 +26,25 @@ Typical wiring in one worker::
         state, report = heal(0, model, optimizer, scheduler, state)
 """
 
+from elasticd.worker.hot.backend import AbandonedGroups, GlooGroups, Groups, NcclGroups, groups_for, worker_env
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
 from elasticd.worker.hot.errors import HealError, HotRecoveryError, ReformError, SurfaceChanged, UnsupportedSetup
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import HealReport, heal, order_by_progress
-from elasticd.worker.hot.reform import AbandonedGroups, Formation, Reformer, start_private_world
+from elasticd.worker.hot.reform import Formation, Reformer, expect_world, start_private_world
 from elasticd.worker.hot.step_guard import FailedStepGuard
 
 __all__ = [
     "AbandonedGroups",
     "FailedStepGuard",
     "Formation",
+    "GlooGroups",
     "GroupHolder",
+    "Groups",
     "HealError",
     "HealReport",
     "HotRecoveryError",
+    "NcclGroups",
     "ReformError",
     "Reformer",
     "ResilientAllReduce",
@@ -46,7 +52,10 @@ __all__ = [
     "StepHealth",
     "SurfaceChanged",
     "UnsupportedSetup",
+    "expect_world",
+    "groups_for",
     "heal",
     "order_by_progress",
     "start_private_world",
+    "worker_env",
 ]

@@ -5,7 +5,8 @@ DDP's reducer and accelerate's shared state. :data:`SURFACES` lists every such a
 it for (present, callable with the parameters we pass, or still doing what we rely on, read from its source).
 :func:`require_surfaces` runs at the start of the hot path and raises one error naming every attribute that moved
 and the versions the list was checked with, so an upgrade that breaks hot recovery fails at start (and in the canary
-test), never in the middle of a recovery.
+test), never in the middle of a recovery. A surface only one backend's path uses names that backend; the NCCL ones
+are read from torch's code and were never exercised here (no GPU).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import accelerate
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
@@ -36,6 +38,7 @@ class Surface:
     name: str
     use: str
     check: Callable[[], str | None]  # None when it is as expected, else what is wrong
+    backend: str | None = None  # the one backend whose path uses it; None: every backend's
 
 
 def _has(owner: object, attribute: str) -> Callable[[], str | None]:
@@ -86,6 +89,27 @@ def _reducer() -> type | None:
     return getattr(dist, "Reducer", None)
 
 
+def _abort_process_group() -> str | None:
+    function = getattr(c10d, "_abort_process_group", None)
+    problem = _params(function, ("group",))
+    # aborts every group's communicators and clears torch's registry without a shutdown (which could wait on a
+    # dead peer)
+    return problem or _source_mentions(function, ".abort()", "_update_default_pg(None)")
+
+
+def _shrink_group() -> str | None:
+    if not isinstance(getattr(c10d, "SHRINK_ABORT", None), int):
+        return "SHRINK_ABORT is missing"
+    return _params(getattr(dist, "shrink_group", None), ("ranks_to_exclude", "group", "shrink_flags", "pg_options"))
+
+
+def _backend_shrinking() -> str | None:
+    backend = getattr(torch._C._distributed_c10d, "Backend", None)
+    if not isinstance(getattr(backend, "supports_shrinking", None), property):
+        return "Backend.supports_shrinking is missing"
+    return _has(dist.ProcessGroup, "_get_backend")()
+
+
 SURFACES: tuple[Surface, ...] = (
     Surface(
         "torch.nn.parallel.DistributedDataParallel._update_process_group",
@@ -131,13 +155,41 @@ SURFACES: tuple[Surface, ...] = (
         "the micro-batch counter that decides when to sync, restarted at a new world size",
         lambda: _source_mentions(getattr(Accelerator, "_do_sync", None), "self.step"),
     ),
+    Surface(
+        "torch.distributed.distributed_c10d._abort_process_group",
+        "retires the old NCCL group: ncclCommAbort on its communicators, no shutdown",
+        _abort_process_group,
+        backend="nccl",
+    ),
+    Surface(
+        "torch.distributed.distributed_c10d.SHRINK_ABORT",
+        "shrink_group(excluded, shrink_flags=SHRINK_ABORT) after a node loss on NCCL",
+        _shrink_group,
+        backend="nccl",
+    ),
+    Surface(
+        "torch.distributed.ProcessGroup._get_backend",
+        "asks the NCCL backend whether it can shrink (supports_shrinking) before announcing it",
+        _backend_shrinking,
+        backend="nccl",
+    ),
+    Surface(
+        "accelerate.state.PartialState.use_distributed",
+        "a GPU joiner's world of one shows more processes so that prepare() wraps DDP (expect_world)",
+        lambda: _source_mentions(getattr(PartialState.use_distributed, "fget", None), "self.num_processes > 1"),
+        backend="nccl",
+    ),
 )
 
 
-def problems() -> list[str]:
-    """One line per surface that moved: the attribute, what is wrong, and what the hot path uses it for."""
+def problems(backend: str | None = None) -> list[str]:
+    """One line per surface that moved: the attribute, what is wrong, and what the hot path uses it for.
+
+    ``backend``: only the surfaces the hot path on that backend uses; None: all of them (the canary test)."""
     found = []
     for surface in SURFACES:
+        if backend is not None and surface.backend not in (None, backend):
+            continue
         try:
             problem = surface.check()
         except Exception as exc:  # a check that cannot even run is a moved surface too
@@ -152,9 +204,10 @@ def versions_line() -> str:
     return f"checked with {checked}; this process has torch {torch.__version__}, accelerate {accelerate.__version__}"
 
 
-def require_surfaces() -> None:
-    """Raise :class:`SurfaceChanged` naming every private attribute that moved, and the versions checked."""
-    found = problems()
+def require_surfaces(backend: str | None = None) -> None:
+    """Raise :class:`SurfaceChanged` naming every private attribute that moved, and the versions checked; on
+    ``backend``'s path only, when given."""
+    found = problems(backend)
     if found:
         lines = "\n  ".join(found)
         raise SurfaceChanged(

@@ -14,6 +14,13 @@ Why a copy is reduced rather than DDP's bucket itself: gloo in torch 2.13 cannot
 operation running until the group's timeout). An abandoned all-reduce may therefore still write into its tensor
 seconds later; the copy (made anyway by the division by the world size) keeps that write away from the gradients.
 
+On a GPU (NCCL; **unverified, no GPU here**) a collective's torch future completes when the collective is *enqueued*
+(CUDA events order the result, not the future), so it says nothing about a peer that never arrives: such buckets
+are polled (``Work.is_completed``, a CUDA event query) by the deadline watcher every ``poll_interval`` instead, a
+completed one is checked for an error (``Work.wait``), and the future DDP gets back is device-aware. The price is
+that the end of the backward pass waits on the host for the last bucket's all-reduce (about one poll interval
+later than the GPU finishes it), which is also what makes a failed step known before the optimizer step.
+
 This module deliberately has no ``from __future__ import annotations``: DDP compares the hook's ``bucket`` annotation
 with ``dist.GradBucket`` itself and refuses a hook whose annotation is the string ``"dist.GradBucket"``.
 """
@@ -40,6 +47,12 @@ DEFAULT_BUCKET_TIMEOUT = timedelta(minutes=10)
 # that already gave up (only the peers of the dead rank see a reset connection) learns it within this time. Asked
 # only while a bucket is in flight, so a healthy step pays a few checks at most.
 DEFAULT_NOTICE_INTERVAL = timedelta(milliseconds=20)
+# How often a polled bucket (a GPU collective, see the module's docstring) is asked whether it completed: the end of
+# a backward pass waits up to this long after the GPU finished the last bucket.
+DEFAULT_POLL_INTERVAL = timedelta(milliseconds=1)
+# A completed work is asked for its error with a wait that returns at once; a positive timeout makes NCCL's wait
+# block the host (and raise) instead of only ordering the current stream after it.
+_COMPLETED_WAIT = timedelta(seconds=5)
 
 
 class GroupHolder:
@@ -70,6 +83,7 @@ class _InFlight:
     future: torch.futures.Future[torch.Tensor]
     deadline: float  # time.monotonic() seconds
     settled: bool = False
+    work: Any = None  # a polled bucket's collective, once issued (None: its future's callback settles it)
 
 
 class ResilientAllReduce:
@@ -83,16 +97,23 @@ class ResilientAllReduce:
         timeout: timedelta = DEFAULT_BUCKET_TIMEOUT,
         notice: Callable[[], str | None] | None = None,
         notice_interval: timedelta = DEFAULT_NOTICE_INTERVAL,
+        poll: bool | None = None,
+        poll_interval: timedelta = DEFAULT_POLL_INTERVAL,
     ) -> None:
         """``notice``, when given, is asked every ``notice_interval`` while a bucket is in flight (never otherwise)
-        whether the step is already known to have failed elsewhere; a reason fails the step at once."""
-        if timeout <= timedelta(0) or notice_interval <= timedelta(0):
-            raise ValueError(f"timeouts must be positive, got {timeout} and {notice_interval}")
+        whether the step is already known to have failed elsewhere; a reason fails the step at once. ``poll``: settle
+        buckets by polling their collective every ``poll_interval`` rather than by its future; None (the default)
+        polls the buckets on a GPU, whose futures complete at enqueue (True polls every bucket, for tests on gloo).
+        """
+        if timeout <= timedelta(0) or notice_interval <= timedelta(0) or poll_interval <= timedelta(0):
+            raise ValueError(f"timeouts must be positive, got {timeout}, {notice_interval} and {poll_interval}")
         self.holder = holder
         self.health = health
         self.timeout_s = timeout.total_seconds()
         self.notice = notice
         self.notice_interval_s = notice_interval.total_seconds()
+        self.poll = poll
+        self.poll_interval_s = poll_interval.total_seconds()
         self._cond = threading.Condition()
         self._in_flight: list[_InFlight] = []
         self._closed = False
@@ -115,7 +136,12 @@ class ResilientAllReduce:
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         gradient = bucket.buffer()
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        on_device = gradient.device.type != "cpu"
+        polled = on_device if self.poll is None else self.poll
+        # device-aware on a GPU: DDP's stream then waits for the value it gets, whichever thread set it
+        future: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future(devices=[gradient.device]) if on_device else torch.futures.Future()
+        )
         generation = self.health.generation
         if self.health.failed:
             future.set_result(gradient)  # the step is lost already: leave the broken group alone
@@ -138,7 +164,12 @@ class ResilientAllReduce:
             # What dist.all_reduce calls underneath, without its registry lookup: the group held need not be
             # registered (re-forming takes the old default group out of torch's registry).
             work = group.allreduce([entry.reduced])
-            work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
+            if polled:
+                with self._cond:
+                    entry.work = work
+                    self._cond.notify_all()  # the watcher starts polling it now
+            else:
+                work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
         except Exception as exc:  # a group that is already broken may refuse the call itself
             self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} refused: {exc}", entry.bucket)
         return future
@@ -173,6 +204,21 @@ class ResilientAllReduce:
             self._in_flight.remove(entry)
         entry.future.set_result(entry.reduced)
 
+    def _on_polled(self, entry: _InFlight) -> None:
+        # The watcher saw the collective complete: it succeeded unless waiting for it raises (NCCL's error, or the
+        # watchdog's abort after a timeout, is stored in the work).
+        try:
+            entry.work.wait(_COMPLETED_WAIT)
+        except Exception as exc:
+            self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} failed: {exc}", entry.bucket)
+            return
+        with self._cond:
+            if entry.settled:
+                return
+            entry.settled = True
+            self._in_flight.remove(entry)
+        entry.future.set_result(entry.reduced)
+
     def _fail(self, generation: int, reason: str, bucket: int | None) -> None:
         # Record first: the training thread may leave backward the moment the last future completes, and the step
         # guard must then see the failure.
@@ -201,15 +247,23 @@ class ResilientAllReduce:
                     next_notice = time.monotonic() + self.notice_interval_s
                     continue
                 now = time.monotonic()
+                polled = [e for e in self._in_flight if e.work is not None]
+                done = [e for e in polled if _completed(e.work)]
                 late = next((e for e in self._in_flight if e.deadline <= now), None)
-                ask = late is None and self.notice is not None and now >= next_notice
-                if late is None and not ask:
+                ask = late is None and not done and self.notice is not None and now >= next_notice
+                if late is None and not done and not ask:
                     wake = min(e.deadline for e in self._in_flight)
                     if self.notice is not None:
                         wake = min(wake, next_notice)
+                    if polled:
+                        wake = min(wake, now + self.poll_interval_s)
                     self._cond.wait(timeout=wake - now)
                     continue
                 generation = late.generation if late is not None else self._in_flight[0].generation
+            if done:
+                for entry in done:  # outside the lock: settling sets futures, whose callbacks may run DDP code
+                    self._on_polled(entry)
+                continue  # a deadline that passed meanwhile is seen on the next round
             if late is not None:
                 self._fail(
                     generation, f"all-reduce of bucket {late.bucket} timed out after {self.timeout_s:g}s", late.bucket
@@ -227,6 +281,13 @@ class ResilientAllReduce:
             return self.notice()
         except Exception:
             return None  # an unreachable notice board must not end the watch: the deadline still bounds the wait
+
+
+def _completed(work: Any) -> bool:
+    try:
+        return bool(work.is_completed())
+    except Exception:
+        return True  # settling it asks for its error, which fails the step
 
 
 def resilient_allreduce_hook(state: ResilientAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -12,7 +12,8 @@ and dtypes, training state; pickled as torch's own ``broadcast_object_list`` doe
 one agreement that every member's objects fit the source's (so that all members fail together instead of one
 waiting on the others), then the tensors packed into few flat buffers of one dtype each. Every collective has a
 bounded wait: a member that dies or hangs during the heal raises :class:`~elasticd.worker.hot.errors.HealError` on
-the others (fall back to the cold path) instead of blocking them until the group's timeout.
+the others (fall back to the cold path) instead of blocking them until the group's timeout. On NCCL (unverified, no
+GPU here) the transfer buffers live on the group's GPU (``backend.collective_device``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from elasticd.worker.hot.backend import collective_device
 from elasticd.worker.hot.errors import HealError
 from elasticd.worker.state import TrainingState
 
@@ -141,6 +143,7 @@ class _Link:
         self.source = source
         self.is_source = group.rank() == source
         self.timeout = timeout
+        self.device = collective_device(group)
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -158,19 +161,19 @@ class _Link:
         self._wait(work, what)
 
     def bytes(self, data: bytes | None) -> bytes:
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
         self._broadcast(size, "sending the state's description")
         buffer = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
             if data is not None
-            else torch.empty(int(size.item()), dtype=torch.uint8)
+            else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         )
         self._broadcast(buffer, "sending the state's description")
-        return data if data is not None else buffer.numpy().tobytes()
+        return data if data is not None else buffer.cpu().numpy().tobytes()
 
     def agree(self, mismatch: str) -> None:
         """Every member learns whether any member cannot take the source's state; all raise together if so."""
-        flag = torch.tensor([1 if mismatch else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if mismatch else 0], dtype=torch.int32, device=self.device)
         try:
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
@@ -188,9 +191,9 @@ class _Link:
         for chunk in _chunks(tensors, chunk_bytes):
             dtype = chunk[0].dtype
             if self.is_source:
-                flat = torch.cat([t.reshape(-1).to("cpu") for t in chunk])
+                flat = torch.cat([t.reshape(-1).to(self.device) for t in chunk])
             else:
-                flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype)
+                flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype, device=self.device)
             self._broadcast(flat, f"sending {len(chunk)} tensors of {dtype}")
             moved += flat.numel() * flat.element_size()
             if not self.is_source:

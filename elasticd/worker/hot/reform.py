@@ -4,8 +4,9 @@
 membership epoch over elasticd's etcd store in production, a ``TCPStore`` in tests), this process's new rank and
 the new world size, and leaves the user's objects ready for the next step at that size:
 
-1. the old default group is taken out of torch's registry and *kept referenced* (:class:`AbandonedGroups`), then a
-   new default gloo group is formed over the store;
+1. the old default group is retired and a new default group formed over the store, as the backend requires
+   (``backend.py``: gloo's old group is *kept referenced* in :class:`AbandonedGroups`; NCCL's is aborted, or shrunk
+   when the caller passes ``previous_ranks`` of a pure shrink — NCCL is unverified, see there);
 2. the hook's :class:`~elasticd.worker.hot.comm_hook.GroupHolder` and the prepared ``DistributedDataParallel``
    (``_update_process_group``) move to it;
 3. DDP's gradient buckets are re-synchronised: a survivor's reducer holds the layout it rebuilt from the gradient
@@ -20,7 +21,7 @@ the new world size, and leaves the user's objects ready for the next step at tha
 :func:`start_private_world` gives a joiner a default group of its own before ``Accelerator()`` so that accelerate
 adopts it and wraps the model in DDP; the joiner then re-forms into the running group like any member.
 
-Why the old group is never destroyed for real: dropping the last reference to a gloo group runs its destructor,
+Why an old gloo group is never destroyed for real: dropping the last reference to a gloo group runs its destructor,
 which joins gloo's threads; with a collective the hook abandoned still pending (gloo in torch 2.13 cannot abort one)
 that blocks whichever line of the training loop happens to drop it until the old group's timeout (measured: 19 s
 of a 20 s timeout). Abandoned groups are released once that timeout has certainly passed.
@@ -28,9 +29,9 @@ of a 20 s timeout). Abandoned groups are released once that timeout has certainl
 
 from __future__ import annotations
 
-import ctypes
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -38,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
-from accelerate.utils import DistributedType
 
 from elasticd.worker.batching import BatchPlan
+from elasticd.worker.hot.backend import AbandonedGroups, Groups, groups_for
 from elasticd.worker.hot.canary import require_surfaces
 from elasticd.worker.hot.comm_hook import GroupHolder
 from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
@@ -49,12 +50,8 @@ from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
 # long a collective abandoned by the hook holds one of gloo's threads (and keeps its group alive here): minutes, not
 # torch's 30-minute gloo default, and far above any healthy collective.
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
-# The group accelerate (or torchrun's environment) formed at start: its timeout is not ours to know; torch's default
-# for gloo is the longest it can be unless the user raised it.
-_INITIAL_GROUP_TIMEOUT_S = 30 * 60.0
-# Past the timeout, gloo still needs a moment to fail the operation and finish its threads.
-_RELEASE_MARGIN_S = 30.0
-_SUPPORTED = (DistributedType.MULTI_CPU,)
+
+__all__ = ["AbandonedGroups", "Formation", "Reformer", "expect_world", "start_private_world"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,41 +62,7 @@ class Formation:
     rank: int
     world_size: int
     seconds: float  # from the call to the group being usable: formation, DDP and accelerate updates
-
-
-class AbandonedGroups:
-    """Old process groups, referenced until any collective left pending in them has timed out."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._held: list[tuple[float, dist.ProcessGroup]] = []  # (release after, group)
-
-    def keep(self, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self._held.append((self._clock() + timeout_s + _RELEASE_MARGIN_S, group))
-
-    def sweep(self) -> int:
-        """Release the groups whose pending collectives have certainly ended; returns how many were released."""
-        now = self._clock()
-        kept = [(until, group) for until, group in self._held if until > now]
-        released = len(self._held) - len(kept)
-        self._held = kept
-        return released
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def leak(self) -> int:
-        """At the end of the run: never destroy the groups still held (returns how many).
-
-        Interpreter teardown would otherwise run their destructors, each waiting out a pending collective for the
-        group's timeout (up to torch's 30 minutes for the first group) before the process can exit. One extra
-        reference each keeps them alive until the operating system reclaims the process.
-        """
-        for _, group in self._held:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-        leaked = len(self._held)
-        self._held = []
-        return leaked
+    method: str = "new"  # "new": a new group over the store; "shrink": the old one shrunk in place (NCCL)
 
 
 class Reformer:
@@ -111,14 +74,21 @@ class Reformer:
         model: torch.nn.parallel.DistributedDataParallel,
         holder: GroupHolder,
         *,
-        backend: str = "gloo",
+        groups: Groups | None = None,
         timeout: timedelta = DEFAULT_GROUP_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
+        environ: Mapping[str, str] = os.environ,
     ) -> None:
-        require_surfaces()
-        if accelerator.distributed_type not in _SUPPORTED:
+        """``groups`` defaults to the one for the backend of the current default group (``backend.groups_for``)."""
+        if groups is None:
+            groups = groups_for(
+                dist.group.WORLD if dist.is_initialized() else None, timeout=timeout, environ=environ, clock=clock
+            )
+        require_surfaces(groups.name)
+        if accelerator.distributed_type not in groups.distributed_types:
             raise UnsupportedSetup(
-                f"accelerate's {accelerator.distributed_type}", "hot recovery re-forms plain DDP on gloo (MULTI_CPU)"
+                f"accelerate's {accelerator.distributed_type}",
+                f"hot recovery on {groups.name} re-forms plain DDP ({', '.join(groups.distributed_types)})",
             )
         if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise UnsupportedSetup(
@@ -127,47 +97,44 @@ class Reformer:
         self.accelerator = accelerator
         self.model = model
         self.holder = holder
-        self.backend = backend
+        self.groups = groups
         self.timeout = timeout
         self._clock = clock
-        self.abandoned = AbandonedGroups(clock)
-        self._formed_here = False  # whether the current default group is one of ours (we know its timeout)
 
-    def reform(self, store: dist.Store, rank: int, world_size: int, plan: BatchPlan | None = None) -> Formation:
+    def can_shrink(self) -> bool:
+        """Whether this member can shrink the current group in place (to announce to the membership decision)."""
+        return dist.is_initialized() and dist.group.WORLD is not None and self.groups.can_shrink(dist.group.WORLD)
+
+    def reform(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        plan: BatchPlan | None = None,
+        *,
+        previous_ranks: Sequence[int] | None = None,
+    ) -> Formation:
         """Leave the current group and train as ``rank`` of ``world_size`` in a new one formed over ``store``.
 
         Every member of the new group calls this with the same store and world size (a collective). ``plan`` is
         the batch plan for the new world (:func:`~elasticd.worker.batching.plan_batches`), whose accumulation is
-        set; None keeps accelerate's. Raises :class:`ReformError` when the group cannot be formed or the buckets
-        cannot be agreed: hot recovery is then over for this process (fall back to the cold path).
+        set; None keeps accelerate's. ``previous_ranks[r]``, the old rank of new rank ``r`` (the same list on every
+        member), lets a backend that can shrink the old group in place do so when the change is a pure shrink; pass
+        it only when every member's :meth:`can_shrink` said yes. Raises :class:`ReformError` when the group cannot be
+        formed or the buckets cannot be agreed: hot recovery is then over for this process (fall back to the cold
+        path).
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside the world of {world_size}")
         if plan is not None and plan.world_size != world_size:
             raise ValueError(f"the batch plan is for a world of {plan.world_size}, not {world_size}")
         started = self._clock()
-        self.abandoned.sweep()
-        self._leave_current()
-        try:
-            dist.init_process_group(self.backend, store=store, rank=rank, world_size=world_size, timeout=self.timeout)
-        except Exception as exc:
-            raise ReformError(f"forming the group failed: {exc}", rank=rank, world_size=world_size) from exc
-        self._formed_here = True
-        group = dist.group.WORLD
-        assert group is not None
+        group, method = self.groups.replace(store, rank, world_size, previous_ranks)
         self.holder.set(group)
         self.model._update_process_group(group)
         self._resync_buckets(rank, world_size)
         self._update_accelerate(rank, world_size, plan)
-        return Formation(group, rank, world_size, self._clock() - started)
-
-    def _leave_current(self) -> None:
-        old = dist.group.WORLD if dist.is_initialized() else None
-        if old is None:
-            return
-        dist.destroy_process_group()  # out of torch's registry; the object lives on in self.abandoned
-        timeout_s = self.timeout.total_seconds() if self._formed_here else _INITIAL_GROUP_TIMEOUT_S
-        self.abandoned.keep(old, timeout_s)
+        return Formation(group, rank, world_size, self._clock() - started, method)
 
     def _resync_buckets(self, rank: int, world_size: int) -> None:
         reducer = self.model.reducer
@@ -190,15 +157,31 @@ class Reformer:
         self.accelerator.step = 0
 
 
-def start_private_world(*, backend: str = "gloo", timeout: timedelta = DEFAULT_GROUP_TIMEOUT) -> dist.ProcessGroup:
+def start_private_world(
+    *, backend: str = "gloo", timeout: timedelta = DEFAULT_GROUP_TIMEOUT, device_id: torch.device | None = None
+) -> dist.ProcessGroup:
     """A joiner's default group of one (over an in-memory store), to create before ``Accelerator()``.
 
     accelerate adopts an initialised default group instead of forming one from the environment; it still needs to
-    see a distributed launch (``LOCAL_RANK`` set, as torchrun and elasticd do) to wrap the model in DDP.
+    see a distributed launch (``LOCAL_RANK`` set, as torchrun and elasticd do) to wrap the model in DDP, and on a GPU
+    more than one process (:func:`expect_world`). ``device_id``: this process's GPU, for ``backend="nccl"``.
     """
     if dist.is_initialized():
         raise RuntimeError("a process group exists already: a joiner starts its private world before anything else")
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, device_id=device_id)
     group = dist.group.WORLD
     assert group is not None
     return group
+
+
+def expect_world(world_size: int) -> None:
+    """Make accelerate see ``world_size`` processes: a GPU joiner calls it after ``Accelerator()``, before
+    ``prepare()``.
+
+    On a GPU accelerate wraps the model in DDP only when it sees more than one process (``use_distributed``), and a
+    joiner's private world has one; on the CPU it wraps anyway. The re-formation sets the real figures.
+    """
+    if world_size < 2:
+        raise ValueError(f"a joiner expects a world of at least 2, got {world_size}")
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["num_processes"] = world_size

@@ -245,7 +245,9 @@ class HotSession:
     def close(self) -> None:
         self.watch.close()
         self.hook.close()
-        self.reformer.abandoned.leak()
+        abandoned = getattr(self.reformer.groups, "abandoned", None)
+        if abandoned is not None:
+            abandoned.leak()
         if self.listener is not None:
             self.listener.close()
 

@@ -8,11 +8,15 @@ boundary that every member reaches with the same step count.
 Keys under ``hot/`` of the test's TCPStore:
   e<n>/pg/...          the store of membership epoch n's process group
   e<n>/ann/<id>        a member of epoch n saw its step fail: {"step": committed steps}
-  e<n>/decision        the test's decision for epoch n+1: {"ranks": {id: rank}, "world": size}
+  e<n>/decision        the test's decision for epoch n+1: {"ranks": {id: rank}, "world": size}, and optionally
+                       "previous" (old rank of each new rank: a shrink in place, NCCL) and "source" (heal source)
   e<n>/admit           rank 0's admission of the joiner: {"at": step, "ranks": ..., "world": ..., "epoch": n}
   join/go, join/ready  the test lets the joiner announce itself; the joiner is imported and prepared
   join/admit           the admission again, for the joiner (which does not know n)
   progress/<id>        {"step", "world", "epoch"} after each committed step
+
+``--backend nccl`` (bench/gpu_check.py; unverified, no GPU where it was written) trains on ``cuda:LOCAL_RANK``; a
+failure announcement then also says whether this member can shrink the group in place (``can_shrink``).
 """
 
 import argparse
@@ -38,6 +42,7 @@ from elasticd.worker.hot import (
     Reformer,
     ResilientAllReduce,
     StepHealth,
+    expect_world,
     heal,
     start_private_world,
 )
@@ -73,16 +78,30 @@ class Worker:
         self.events: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
         self.epoch = 0
+        gpu = args.backend == "nccl"
+        self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(self.device)
+        device_id = self.device if gpu else None
         if args.joiner:
-            start_private_world(timeout=GROUP_TIMEOUT)
+            start_private_world(backend=args.backend, timeout=GROUP_TIMEOUT, device_id=device_id)
             self.rank, self.world = 0, 1
         else:
             self.rank, self.world = args.rank, args.world
             store = dist.PrefixStore("hot/e0/pg", self.base)
-            dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world, timeout=GROUP_TIMEOUT)
+            dist.init_process_group(
+                args.backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world,
+                timeout=GROUP_TIMEOUT,
+                device_id=device_id,
+            )
         # small buckets: several of them, laid out differently by a fresh reducer and a rebuilt one
         ddp = DistributedDataParallelKwargs(bucket_cap_mb=args.bucket_kb / 1024)
-        self.accelerator = Accelerator(cpu=True, kwargs_handlers=[ddp])
+        self.accelerator = Accelerator(cpu=not gpu, kwargs_handlers=[ddp])
+        if gpu and self.world == 1:
+            expect_world(2)  # else accelerate does not wrap a world of one (a joiner, a lone member) in DDP on a GPU
         model = build_model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.05 * s))
@@ -92,14 +111,18 @@ class Worker:
         # a client of its own: a TCPStore client serialises its calls, and the hook asks from its watcher thread
         self.notice_store = dist.TCPStore("127.0.0.1", args.port, is_master=False, timeout=STORE_TIMEOUT)
         self.hook = ResilientAllReduce(
-            self.holder, self.health, timeout=timedelta(seconds=args.bucket_timeout_s), notice=self.failure_notice
+            self.holder,
+            self.health,
+            timeout=timedelta(seconds=args.bucket_timeout_s),
+            notice=self.failure_notice,
+            poll=True if args.poll else None,
         )
         self.hook.register(self.model)
         self.guard = FailedStepGuard(self.health)
         self.guard.install(self.optimizer)
         self.reformer = Reformer(self.accelerator, self.model, self.holder, timeout=GROUP_TIMEOUT)
         self.state = TrainingState()
-        self.x, self.y = dataset()
+        self.x, self.y = (t.to(self.device) for t in dataset())
         self.admitted = False  # the expected joiner is in
         self.first_after_change = False
         self.changes = 0  # membership changes this worker went through
@@ -130,15 +153,18 @@ class Worker:
         self.accelerator.gradient_accumulation_steps = self.plan.accumulation
         self.sampler = ElasticSampler(DATASET, self.plan, self.rank, shuffle=True, seed=0)
 
-    def reform_and_heal(self, ranks: dict[str, int], world: int, why: str) -> None:
+    def reform_and_heal(
+        self, ranks: dict[str, int], world: int, why: str, previous: list[int] | None = None, source: int = 0
+    ) -> None:
         rank = ranks[self.id]
         self.epoch += 1
         self.rank, self.world = rank, world
         self.ranks = dict(ranks)
         plan = plan_batches(self.args.global_batch, self.args.micro, world)
-        formation = self.reformer.reform(dist.PrefixStore(self.key("pg"), self.base), rank, world, plan)
-        self.event("reformed", why=why, seconds=formation.seconds)
-        self.state, report = heal(0, self.model, self.optimizer, self.scheduler, self.state)
+        store = dist.PrefixStore(self.key("pg"), self.base)
+        formation = self.reformer.reform(store, rank, world, plan, previous_ranks=previous)
+        self.event("reformed", why=why, seconds=formation.seconds, method=formation.method)
+        self.state, report = heal(source, self.model, self.optimizer, self.scheduler, self.state)
         self.event(
             "healed", why=why, bytes_sent=report.bytes_sent, payload=report.payload_bytes, seconds=report.seconds
         )
@@ -179,6 +205,8 @@ class Worker:
                 self.optimizer.step()
                 self.scheduler.step()
                 self.optimizer.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # a step's time is when the GPU finished it
         if self.args.step_sleep_ms:
             time.sleep(self.args.step_sleep_ms / 1000)
         failure = self.guard.take()
@@ -202,14 +230,16 @@ class Worker:
         self.event("failed", reason=failure.reason, attempted=number)
         if not self.notice_store.check([self.key("notice")]):
             self.base.set(self.key("notice"), f"{self.id}: {failure.reason}")  # releases members still waiting
-        self.base.set(self.key(f"ann/{self.id}"), json.dumps({"step": self.state.step}))
+        announcement = {"step": self.state.step, "rank": self.rank, "can_shrink": self.reformer.can_shrink()}
+        self.base.set(self.key(f"ann/{self.id}"), json.dumps(announcement))
         decision_key = self.key("decision")
         self.base.wait([decision_key], STORE_TIMEOUT)
         decision = self.get_json(decision_key)
         self.event("decided")
         if self.id not in decision["ranks"]:
             self.finish(excluded=True)
-        self.reform_and_heal(decision["ranks"], decision["world"], "failure")
+        previous, source = decision.get("previous"), decision.get("source", 0)
+        self.reform_and_heal(decision["ranks"], decision["world"], "failure", previous, source)
 
     def at_boundary(self) -> None:
         """Admit the joiner at a step boundary that every member reaches with the same step count."""
@@ -291,6 +321,8 @@ def main() -> None:
     p.add_argument("--bucket-kb", type=float, default=2.0)
     p.add_argument("--bucket-timeout-s", type=float, default=30.0)
     p.add_argument("--step-sleep-ms", type=float, default=0.0)
+    p.add_argument("--backend", choices=["gloo", "nccl"], default="gloo", help="nccl: train on cuda:LOCAL_RANK")
+    p.add_argument("--poll", action="store_true", help="the hook polls every bucket (as it does on a GPU)")
     args = p.parse_args()
     torch.set_num_threads(1)
     worker = Worker(args)
