@@ -217,7 +217,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=MINUTES, help=f"schedule length (default {MINUTES:g})")
     p.add_argument("--kill-every", type=float, default=KILL_EVERY_S, help="seconds between kills (default 30)")
     p.add_argument("--join-after", type=float, default=JOIN_AFTER_S, help="a join this long after each kill (20)")
-    p.add_argument("--only", nargs="+", choices=SYSTEMS, help="run these systems only (default: elasticd hot and cold, tuned torchrun)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        choices=SYSTEMS,
+        help="run these systems only (default: elasticd hot and cold, tuned torchrun)",
+    )
     p.add_argument("--png", type=Path, default=Path("docs/goodput.png"), help="the picture (default docs/goodput.png)")
     p.add_argument("--json", type=Path, help="raw results (default: bench/results/goodput-<commit>.json)")
     p.add_argument("--logs", type=Path, help="keep every node's stdout/stderr here")

@@ -88,9 +88,10 @@ class RunKeys:
         """Everything hot recovery's workers watch: epochs, bids, failure notices, members, node liveness."""
         return f"{self.prefix}membership/"
 
-    def membership_notice(self, epoch: int) -> str:
-        """A member of ``epoch`` saw a step fail (its reason): releases members still waiting in a collective."""
-        return f"{self.prefix}membership/notice/{epoch:012d}"
+    def membership_notice(self, group: str, epoch: int) -> str:
+        """A member of ``epoch`` of ``group`` (the round's first token) saw a step fail (its reason): releases members
+        still waiting in a collective. Per group: a round that fell back cold leaves its notice behind."""
+        return f"{self.prefix}membership/notice/{group}/{epoch:012d}"
 
     def membership_member(self, member: str) -> str:
         """Where a worker of the hot path answers liveness probes, and its node (JSON, worker/hot/liveness.py)."""

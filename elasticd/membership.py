@@ -138,6 +138,10 @@ class Membership:
         if current is not None and current[0].number >= epoch:
             return current[0]
         bids = self.bids(epoch)
+        if previous:
+            # only the members of the epoch before (and joiners): a bid left by a group of an earlier round for the
+            # same epoch number (one that fell back to a cold restart) is no member of this one
+            bids = {m: b for m, b in bids.items() if m in previous or b.old_rank is None}
         if any(m not in bids and not is_dead(m) for m in previous):
             return None  # a live member has not bid yet: wait for it (or for its daemon to declare it dead)
         if len(bids) < min_members:

@@ -22,7 +22,17 @@ CHECKPOINT_PHASES = ("blocking", "total")
 # Hot recovery (beyond DESIGN.md §3's minimum set): why the group re-formed in place, and why a worker gave the hot
 # path up for the cold restart ("unsupported:<what>" counts as unsupported; a reason not listed here, as other).
 RECONFIGURATION_REASONS = ("failure", "hang", "join", "leave")
-HOT_FALLBACK_REASONS = ("below_minimum", "reform_failed", "heal_failed", "unsupported", "other")
+HOT_FALLBACK_REASONS = (
+    "below_minimum",
+    "reform_failed",
+    "heal_failed",
+    "batch_plan",
+    "excluded",
+    "decision_timeout",
+    "etcd",
+    "unsupported",
+    "other",
+)
 
 # Seconds; spans a rendezvous on one host (~0.1 s) to a slow cluster formation (minutes).
 _RDZV_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 8, 13, 20, 30, 60, 120, 300)

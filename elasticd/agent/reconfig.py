@@ -84,6 +84,11 @@ class Reconfigurations:
             token=beat.get("token"),
             rank=beat.get("rank"),
         )
+        lost = beat.get("lost_nodes")
+        if isinstance(lost, list):
+            for node in lost:
+                # the same event as after a rendezvous that lost a node: operators follow one name either way
+                self._log().warning("node_lost", lost_node=str(node), in_place=True)
 
     def _fallback(self, beat: dict[str, Any]) -> None:
         reason = str(beat.get("reason"))

@@ -110,6 +110,7 @@ class HotPath:
             "heal_bytes": recovered.heal_bytes,
             "lost_steps": 0,
             "token": recovered.epoch.token,
+            "lost_nodes": list(recovered.lost_nodes),
             "detected_at": recovered.detected_at,
         }
         run.log.warning(

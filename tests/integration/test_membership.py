@@ -131,3 +131,15 @@ def test_a_group_whose_fence_was_replaced_cannot_decide(etcd_client: EtcdClient)
     etcd_client.put(KEYS.lineage_token, first.token)
     decided = m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure", fence=first.token)
     assert decided is not None and decided.members == (A, B)
+
+
+def test_a_bid_left_by_an_earlier_group_for_the_same_epoch_is_no_member(etcd_client: EtcdClient) -> None:
+    """A round that fell back to a cold restart leaves its bids; the next round's group may reach the same epoch
+    number, and must not take a dead member of the old group (with more steps: the heal source) into it."""
+    m = Membership(etcd_client, KEYS)
+    _first_epoch(m)
+    m.bid(2, Bid("old-round.0", 0, 99))  # the earlier group's survivor, long gone
+    m.bid(2, Bid(A, 0, 5))
+    m.bid(2, Bid(B, 1, 5))
+    decided = m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure")
+    assert decided is not None and decided.members == (A, B) and decided.source == A

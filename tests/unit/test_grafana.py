@@ -82,7 +82,19 @@ EXTRA: dict[str, tuple[str, dict[str, tuple[str, ...] | None]]] = {
     "elasticd_membership_epoch": ("gauge", {}),
     "elasticd_hot_fallbacks_total": (
         "counter",
-        {"reason": ("below_minimum", "reform_failed", "heal_failed", "unsupported", "other")},
+        {
+            "reason": (
+                "below_minimum",
+                "reform_failed",
+                "heal_failed",
+                "batch_plan",
+                "excluded",
+                "decision_timeout",
+                "etcd",
+                "unsupported",
+                "other",
+            )
+        },
     ),
 }
 _METRIC_NAME = re.compile(r"\belasticd_[a-z0-9_]+")

@@ -52,7 +52,7 @@ DECIDE_TIMEOUT_S = 120.0
 # Between two looks at the bids when nothing changed in etcd (seconds): a refused probe changes no key.
 _DECIDE_POLL_S = 0.05
 # Forming the new group waits this long for every member of the decided epoch (one that dies meanwhile: cold path).
-FORM_TIMEOUT = timedelta(seconds=60)
+FORM_TIMEOUT = timedelta(seconds=30)
 
 
 class HotFallback(HotRecoveryError):
@@ -74,6 +74,7 @@ class Recovered:
     plan: BatchPlan | None
     heal_bytes: int
     detected_at: float  # time.monotonic() of the failure
+    lost_nodes: tuple[str, ...] = ()  # nodes none of whose members is in the new epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +112,8 @@ class HotSession:
         self._clock = clock
         self.membership = Membership(client, keys, clock=clock)
         self.health, self.holder = StepHealth(), GroupHolder()
-        self.watch = FailureWatch(client, keys)
+        self.group = identity.member.rsplit(".", 1)[0]  # the round's first token: names this group's keys
+        self.watch = FailureWatch(client, keys, self.group)
         self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
         self.guard = FailedStepGuard(self.health)
         self.reformer = Reformer(accelerator, model, self.holder)
@@ -139,8 +141,7 @@ class HotSession:
         current = broadcast_object_list(current, from_process=0)
         self.epoch = int(current[0] or 0)
         world = int(self.accelerator.num_processes)
-        prefix = self.identity.member.rsplit(".", 1)[0]
-        self.members = tuple(f"{prefix}.{rank}" for rank in range(world))
+        self.members = tuple(f"{self.group}.{rank}" for rank in range(world))
         self.watch.follow(self.epoch, self._nodes_of(self.members))
 
     def take_failure(self) -> StepFailure | None:
@@ -173,7 +174,7 @@ class HotSession:
         self, failure: StepFailure, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], reason: str
     ) -> Recovered:
         me = self.identity.member
-        self.client.create(self.keys.membership_notice(self.epoch), f"{me}: {failure.reason}")
+        self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{me}: {failure.reason}")
         target = self.epoch + 1
         self.membership.bid(target, Bid(me, self.rank, state.step))
         decision = self._decide(target, reason)
@@ -187,11 +188,12 @@ class HotSession:
         store = EtcdV3Store(self.client, self.keys.hot_group_store(self.identity.round, target), FORM_TIMEOUT)
         self.reformer.reform(store, rank, world, plan)
         healed, report = heal(0, self.model, self.optimizer, self.scheduler, state)
+        lost_nodes = tuple(sorted(self._nodes_of(self.members) - self._nodes_of(decision.members)))
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
         self.watch.follow(target, self._nodes_of(decision.members))
         if rank == 0:
             self.membership.forget(target - 1)
-        return Recovered(decision, rank, world, healed, plan, report.payload_bytes, failure.at)
+        return Recovered(decision, rank, world, healed, plan, report.payload_bytes, failure.at, lost_nodes)
 
     def _decide(self, target: int, reason: str) -> Epoch:
         deadline = self._clock() + DECIDE_TIMEOUT_S
@@ -235,7 +237,7 @@ class HotSession:
         return self._records[member]
 
     def _nodes_of(self, members: tuple[str, ...]) -> set[str]:
-        nodes = set()
+        nodes: set[str] = set()
         for member in members:
             record = self._record(member)
             if record is not None:

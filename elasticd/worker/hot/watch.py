@@ -31,9 +31,10 @@ _RETRY_S = 0.5
 class FailureWatch:
     """Follows one epoch's notice key and its members' node leases; :meth:`reason` is the verdict."""
 
-    def __init__(self, client: EtcdClient, keys: RunKeys) -> None:
+    def __init__(self, client: EtcdClient, keys: RunKeys, group: str) -> None:
         self._client = client
         self._keys = keys
+        self._group = group
         self._lock = threading.Lock()
         self._epoch = 0
         self._nodes: frozenset[str] = frozenset()
@@ -68,8 +69,8 @@ class FailureWatch:
     def _evaluate(self) -> None:
         with self._lock:
             epoch, nodes = self._epoch, self._nodes
-        found = self._client.get(self._keys.membership_notice(epoch))
-        reason = None if found is None else f"failure notice: {found[0].decode(errors='replace')}"
+        found = self._client.get(self._keys.membership_notice(self._group, epoch))
+        reason = None if found is None else found[0].decode(errors="replace")
         if reason is None and nodes:
             alive = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_alive_prefix)}
             gone = sorted(nodes - alive)
