@@ -8,13 +8,24 @@ new size from the step it had reached (no committed step lost, none repeated) an
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import time
+from datetime import datetime
 from pathlib import Path
 
+import psutil
 import pytest
 
+from elasticd.keys import RunKeys
+from elasticd.lineage import Lineage
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _stamp(event: dict) -> float:  # type: ignore[type-arg]
+    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def _steps_by_number(cluster: Cluster) -> dict[int, list[dict]]:  # type: ignore[type-arg]
@@ -67,3 +78,51 @@ def test_node_killed_survivors_reform_in_place_and_lose_nothing(etcd, tmp_path: 
         assert min(s for s, v in steps.items() if v[0]["world_size"] == 2) == resumed_from + 1
         assert after["step"] <= before["step"] + 3
         assert c.last_step()["world_size"] == 2  # type: ignore[index]
+
+
+def test_vanished_node_is_declared_dead_by_its_lease_and_never_trains_or_commits_for_the_group_again(  # type: ignore[no-untyped-def]
+    etcd, etcd_client, tmp_path: Path
+) -> None:
+    """SIGSTOP of a whole node (its daemon and worker): nothing resets a connection, the survivors' all-reduce just
+    waits. The node's one-second liveness lease expires, the survivors' watch fails the step, the membership
+    decision counts the node as dead and the group re-forms in place. After SIGCONT the stale worker finds itself
+    out of the epoch (its fence was replaced in the decision's transaction): it commits nothing and goes away."""
+    names = ["hs-0", "hs-1", "hs-2"]
+    keys = RunKeys("hotstop")
+    with Cluster(etcd.endpoint, tmp_path, run_id="hotstop", min_nodes=2, max_nodes=3, script_args=train_args(80)) as c:
+        for name in names:
+            c.start(name)
+        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, what="step 12 on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
+        victim_name = next(n for n, r in ranks.items() if r == 0)  # the node whose rank 0 commits checkpoints
+        victim = c.nodes[victim_name]
+        survivors = [n for n in names if n != victim_name]
+        round_token = Lineage(etcd_client, keys).token()
+        stopped = [psutil.Process(victim.proc.pid), *psutil.Process(victim.proc.pid).children(recursive=True)]
+        for p in stopped:
+            p.send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        try:
+            after = c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > stopped_at, timeout_s=60, what="world 2")
+            print(f"vanished node: first step at world 2 {after['t'] - stopped_at:.2f}s after SIGSTOP")
+            for name in survivors:
+                event = c.nodes[name].wait_event("reconfigured", timeout_s=30)
+                assert event["world_size"] == 2 and not c.nodes[name].events("restart"), c.diagnostics()
+            # the survivors' group holds the fence now; train on a little (and commit) while the victim is stopped
+            c.wait_step(lambda s: s["world_size"] == 2 and s["step"] >= after["step"] + 12, timeout_s=60)
+        finally:
+            for p in stopped:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGCONT)
+        resumed_at = time.time()
+        for name in names:
+            assert c.nodes[name].wait(200) == 0, c.diagnostics()
+        # the stale worker never committed for the group: every record since the stop carries a newer token
+        records = Lineage(etcd_client, keys).records()
+        late = [r for r in records if r.committed_at > stopped_at]
+        assert late and all(r.token != round_token for r in late), [(r.step, r.token) for r in late]
+        # and it left the group it was no longer in rather than training with it
+        stale = [e for e in victim.events("hot_fallback") if e.get("reason") == "excluded"]
+        lost = [e for e in victim.events("lineage_lost")]
+        assert stale or lost, victim.tail(80)
+        print(f"stale node out {min(_stamp(e) for e in stale + lost) - resumed_at:.2f}s after SIGCONT")
