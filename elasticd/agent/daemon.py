@@ -210,6 +210,11 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
         logger.warning("stopped_by_signal", signal=exc.sigval.name)
         return 128 + int(exc.sigval)
     except RendezvousClosedError:
+        if agent.run_was_drained():
+            # `elasticd stop` closed the run while this node was between rounds (it took the drain's checkpoint,
+            # asked for by a peer, for a membership change): the run ended as asked, nothing failed here.
+            logger.info("drained_between_rounds")
+            return EXIT_OK
         logger.error(
             "gave_up",
             message="the rendezvous of this run is closed (finished or stopped); use a new --run-id",

@@ -254,6 +254,10 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("lineage_lost", cause=cause, token=self.token, current=current)
         return True
 
+    def run_was_drained(self) -> bool:
+        """Did ``elasticd stop`` ask the whole run to stop (etcd away: no)?"""
+        return bool(self._poll(self._drain_requested, False))
+
     def _moved_in_place(self, current: str) -> bool:
         """Did our workers' group re-form in place under ``current``? Then it is their token now (hot recovery's
         membership epoch moved the fence with one transaction), and this node's workers are still in it."""

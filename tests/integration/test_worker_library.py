@@ -30,10 +30,11 @@ def expected_lr(step: int) -> float:
 
 
 def effective_ids(record: Path) -> dict[int, list[int]]:
-    """Sample ids trained per step, keeping only each step's last attempt (the round that got past it)."""
-    by_step: dict[int, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
+    """Sample ids trained per step, keeping only each step's last attempt: the (round, membership epoch) that got
+    past it (a step that failed in place is tried again at the next epoch of the same round)."""
+    by_step: dict[int, dict[tuple[int, int], list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for line in read_json_lines(record):
-        by_step[line["step"]][line["round"]].append(line)
+        by_step[line["step"]][(line["round"], line.get("epoch", 0))].append(line)
     result = {}
     for step, rounds in by_step.items():
         last = rounds[max(rounds)]
@@ -94,7 +95,9 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_with_a_warning(t
 
 def test_three_two_four_three_sees_every_sample_once_with_constant_batch_and_lr(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     record = tmp_path / "ids.jsonl"
-    epochs = 8
+    # long enough that the run is still going when el-4 leaves: the 3 -> 2 change costs only a step in place, and
+    # the two joiners' start (~10 s here) would otherwise take most of a shorter run
+    epochs = 20
     with Cluster(
         etcd.endpoint,
         tmp_path,
