@@ -179,6 +179,16 @@ class Node:
         self.proc.wait(timeout=_REAP_TIMEOUT_S)
         return self.killed_at
 
+    def stop(self) -> float:
+        """The node vanishes (power loss, a partition): SIGSTOP to the launcher and all its workers at one moment,
+        returned (unix s). Nothing resets a connection; :meth:`kill` ends it afterwards."""
+        procs = self.tree()
+        stopped_at = time.time()
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGSTOP)
+        return stopped_at
+
     def tail(self, lines: int = 30) -> str:
         """The last lines of stderr and stdout, for a diagnosis."""
         parts = []

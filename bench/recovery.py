@@ -19,6 +19,9 @@ checkpoint dir per trial and system):
   ``rendezvous_done`` has the highest ``group_rank``.
 - ``node_loss_rank0`` (elasticd only): the same, killing the node of group rank 0, which hosts the workers'
   TCPStore of the round.
+- ``node_vanish`` (elasticd only): the same node as ``node_loss``, SIGSTOPped instead (its launcher and worker at one
+  moment): nothing resets a connection, detection rests on liveness leases. From the stop to the first step at
+  ``world_size == 2``; the stopped node is then killed.
 
 Systems: ``elasticd`` (its defaults: ``--recovery hot``, keep-alive 1 s x 3, last call 2 s), ``elasticd-cold``
 (``--recovery cold``: every membership change restarts the workers from the newest checkpoint, the fallback),
@@ -110,6 +113,7 @@ STORE_HOST_TIMEOUT_S = 60.0
 # and at least 10x faster than torchrun tuned to the same rendezvous timings; the cold path keeps issue 10's 8.5 s.
 TARGET_NODE_LOSS_S, TARGET_RATIO, TARGET_JOIN_S = 0.5, 10.0, 8.0
 TARGET_COLD_NODE_LOSS_S = 8.5
+TARGET_VANISH_S = 2.0  # issue 11: SIGSTOP of a node -> first step at the new size
 
 SYSTEMS = ("elasticd", "elasticd-cold", "torchrun", "torchrun-tuned")
 # elasticd's rendezvous timings, for torchrun-tuned (c10d reads the same --rdzv-conf keys).
@@ -124,6 +128,7 @@ class Scenario(StrEnum):
     JOIN = "join"
     NODE_LOSS = "node_loss"
     NODE_LOSS_RANK0 = "node_loss_rank0"
+    NODE_VANISH = "node_vanish"
 
     @property
     def label(self) -> str:
@@ -131,13 +136,14 @@ class Scenario(StrEnum):
             Scenario.JOIN: "join (2 -> 3 nodes)",
             Scenario.NODE_LOSS: "node loss (3 -> 2)",
             Scenario.NODE_LOSS_RANK0: "node loss, rank-0 node",
+            Scenario.NODE_VANISH: "vanished node (SIGSTOP)",
         }[self]
 
 
 # Run in this order within one trial: join needs 2 nodes, which is how a job starts.
 SCENARIOS = {
-    "elasticd": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0),
-    "elasticd-cold": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0),
+    "elasticd": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0, Scenario.NODE_VANISH),
+    "elasticd-cold": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0, Scenario.NODE_VANISH),
     "torchrun": (Scenario.JOIN, Scenario.NODE_LOSS),
     "torchrun-tuned": (Scenario.JOIN, Scenario.NODE_LOSS),
 }
@@ -459,7 +465,8 @@ def measure(
 ) -> Sample:
     """The sample of a fault or join that happened at ``t0`` (unix s), after ``quiet`` was measured."""
     step = first_step_at(job, size_after, t0)
-    during = foreign_cores(quiet.snapshot, foreign_cpu(), time.time() - t0)
+    # over at least a second: a 0.1 s window turns a stray process start into "36 cores"
+    during = foreign_cores(quiet.snapshot, foreign_cpu(), max(time.time() - t0, 1.0))
     sample = Sample(
         job.system,
         scenario.value,
@@ -514,6 +521,12 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
         name = max((n for n in ranks if job.killable(n)), key=lambda n: ranks[n])
     victim = job.launcher.nodes[name]
     quiet = quiet_moment()
+    if scenario is Scenario.NODE_VANISH:
+        t0 = victim.stop()
+        try:
+            return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
+        finally:
+            victim.kill()
     t0 = victim.kill()
     return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
 
@@ -653,6 +666,8 @@ def verdict(
         return ""
     if scenario is Scenario.JOIN:
         return f"<= {TARGET_JOIN_S:g} s: " + ("met" if elasticd_s <= TARGET_JOIN_S else "MISSED")
+    if scenario is Scenario.NODE_VANISH:
+        return f"hot <= {TARGET_VANISH_S:g} s: " + ("met" if elasticd_s <= TARGET_VANISH_S else "MISSED")
     fast = elasticd_s <= TARGET_NODE_LOSS_S
     parts = [f"hot <= {TARGET_NODE_LOSS_S:g} s: {'met' if fast else 'MISSED'}"]
     if tuned_ratio is not None:

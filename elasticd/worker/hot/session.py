@@ -52,7 +52,7 @@ DECIDE_TIMEOUT_S = 120.0
 # Between two looks at the bids when nothing changed in etcd (seconds): a refused probe changes no key.
 _DECIDE_POLL_S = 0.05
 # Forming the new group waits this long for every member of the decided epoch (one that dies meanwhile: cold path).
-FORM_TIMEOUT = timedelta(seconds=30)
+FORM_TIMEOUT = timedelta(seconds=15)
 
 
 class HotFallback(HotRecoveryError):

@@ -1,0 +1,118 @@
+"""Hot recovery's liveness verdicts on real parts: a real socket and process for the probe, a real etcd for the node
+lease and the failure watch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from elasticd.agent.node_lease import NodeLease
+from elasticd.etcd.client import EtcdClient
+from elasticd.keys import RunKeys
+from elasticd.worker.hot.liveness import Probe, ProbeListener, probe
+from elasticd.worker.hot.watch import FailureWatch
+from tests.integration.cluster import wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+KEYS = RunKeys("liveness")
+
+_LISTENER = """
+import sys, time
+from elasticd.worker.hot.liveness import ProbeListener
+listener = ProbeListener("127.0.0.1")
+print(listener.port, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_listening_process_is_accepted_a_killed_one_refused_a_stopped_one_still_accepted() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        assert probe(address) is Probe.ACCEPTED
+        os.kill(proc.pid, signal.SIGSTOP)  # a stopped process: the kernel still accepts; the lease must decide
+        assert probe(address) is Probe.ACCEPTED
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        started = time.monotonic()
+        assert probe(address) is Probe.REFUSED
+        assert time.monotonic() - started < 0.1  # the kernel answers at once: no timeout involved
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_an_unroutable_address_is_unreachable_within_the_probe_timeout() -> None:
+    started = time.monotonic()
+    # TEST-NET-1 (RFC 5737): never routed, so the connection neither succeeds nor is refused
+    assert probe("192.0.2.1:9", timeout_s=0.2) in (Probe.UNREACHABLE, Probe.REFUSED)
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_closed_listener_is_refused() -> None:
+    listener = ProbeListener("127.0.0.1")
+    address = f"127.0.0.1:{listener.port}"
+    assert probe(address) is Probe.ACCEPTED
+    listener.close()
+    assert probe(address) is Probe.REFUSED
+
+
+def test_the_node_lease_key_goes_away_about_a_second_after_its_daemon_stops_refreshing(
+    etcd_client: EtcdClient,
+) -> None:
+    lease = NodeLease(etcd_client, KEYS, "n1")
+    lease.start()
+    key = KEYS.membership_alive("n1")
+    time.sleep(2.5)  # several TTLs: the refreshes keep it
+    assert etcd_client.get(key) is not None
+    lease._stop.set()  # the daemon freezes: no refresh, no revoke (what SIGSTOP or power loss does)
+    assert lease._thread is not None
+    lease._thread.join(timeout=5)
+    stopped = time.monotonic()
+    wait_until(lambda: etcd_client.get(key) is None, 10, "the lease to expire", poll_s=0.05)
+    took = time.monotonic() - stopped
+    print(f"node lease key gone {took:.2f}s after the last refresh")
+    assert took < 5.0
+
+
+def test_a_closed_lease_is_revoked_at_once(etcd_client: EtcdClient) -> None:
+    lease = NodeLease(etcd_client, KEYS, "n2")
+    lease.start()
+    lease.close()
+    assert etcd_client.get(KEYS.membership_alive("n2")) is None
+
+
+def test_the_watch_reports_a_notice_of_its_group_and_epoch_and_a_member_node_that_lost_its_lease(
+    etcd_client: EtcdClient,
+) -> None:
+    mine, theirs = NodeLease(etcd_client, KEYS, "w-a"), NodeLease(etcd_client, KEYS, "w-b")
+    mine.start()
+    theirs.start()
+    watch = FailureWatch(etcd_client, KEYS, "grp")
+    try:
+        watch.follow(3, {"w-a", "w-b"})
+        time.sleep(0.3)
+        assert watch.reason() is None
+        etcd_client.put(KEYS.membership_notice("other-group", 3), "not ours")
+        etcd_client.put(KEYS.membership_notice("grp", 2), "an older epoch")
+        time.sleep(0.3)
+        assert watch.reason() is None
+        etcd_client.put(KEYS.membership_notice("grp", 3), "grp.1: all-reduce failed")
+        wait_until(watch.reason, 5, "the notice", poll_s=0.02)
+        assert watch.reason() == "grp.1: all-reduce failed"
+        watch.follow(4, {"w-a", "w-b"})  # a new epoch forgets the old verdict
+        assert watch.reason() is None
+        theirs.close()  # w-b's key goes (revoked: the same delete event an expiry makes)
+        wait_until(watch.reason, 5, "the lost lease", poll_s=0.02)
+        assert watch.reason() == "node liveness lease gone: w-b"
+    finally:
+        watch.close()
+        mine.close()
+        theirs.close()
