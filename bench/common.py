@@ -314,8 +314,12 @@ def foreign_cpu() -> CpuSnapshot:
 
 def foreign_cores(before: CpuSnapshot, after: CpuSnapshot, seconds: float) -> float:
     """Cores' worth of CPU that other processes used between two snapshots ``seconds`` apart (a process that
-    started and ended in between is missed: a lower bound)."""
-    used = sum(cpu - before.get(key, 0.0) for key, cpu in after.items())
+    started and ended in between is missed: a lower bound).
+
+    A process missing from ``before`` counts only if it started after it: one that is older was ours then (a killed
+    node's worker, orphaned for a moment, is no longer below this process) and its whole CPU time is not new."""
+    window_start = time.time() - seconds - 1.0  # create_time has a clock tick's resolution
+    used = sum(cpu - before.get(key, 0.0) for key, cpu in after.items() if key in before or key[1] >= window_start)
     return max(0.0, used) / max(seconds, 1e-6)
 
 
