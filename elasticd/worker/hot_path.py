@@ -22,9 +22,9 @@ from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
 from elasticd.worker.hot.errors import HotRecoveryError
+from elasticd.worker.hot.session import HotFallback, HotSession, Identity, Recovered, advertised_host, is_gloo_world
 
 if TYPE_CHECKING:
-    from elasticd.worker.hot.session import HotSession, Recovered
     from elasticd.worker.run import Run
 
 # The exit code of a worker whose hot path gave up: a failure for the agent (it restarts the group cold).
@@ -45,8 +45,6 @@ class HotPath:
         if run.world_size < 2:
             run.log.info("hot_recovery_off", reason="a world of one worker has nobody to re-form with")
             return None
-        from elasticd.worker.hot.session import HotSession, Identity, advertised_host, is_gloo_world
-
         if not is_gloo_world():
             return cls._unsupported(run, "a process group other than gloo's default one (NCCL: not yet wired)")
         try:
@@ -55,7 +53,7 @@ class HotPath:
             )
         except (EtcdError, ElasticdError) as exc:
             return cls._unsupported(run, f"etcd unreachable from the worker: {exc}")
-        identity = Identity(f"{s.fence_token}.{run.rank}", s.node_id, s.round, (s.min_nodes or 1) * s.nproc_per_node)
+        identity = Identity(s.fence_token, run.rank, s.node_id, s.round, (s.min_nodes or 1) * s.nproc_per_node)
         try:
             session = HotSession(
                 run.accelerator,
@@ -89,8 +87,6 @@ class HotPath:
         run = self.run
         run.log.warning("step_failed", step=run.state.step + 1, reason=failure.reason, epoch=self.session.epoch)
         run.slot.set_phase(Phase.LOADING)  # the hang watchdog allows the startup timeout for what follows
-        from elasticd.worker.hot.session import HotFallback
-
         try:
             recovered = self.session.recover(failure, run.state, run.plan_for)
         except HotFallback as exc:

@@ -25,6 +25,7 @@ process on an error: torch's default tears it down).
 
 from __future__ import annotations
 
+import abc
 import ctypes
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -106,7 +107,7 @@ def shrink_exclusions(old_size: int, old_rank: int, previous_ranks: Sequence[int
     return [r for r in range(old_size) if r not in kept]
 
 
-class Groups:
+class Groups(abc.ABC):
     """How one backend's groups are left and formed. Subclasses set the class attributes."""
 
     name: ClassVar[str]
@@ -140,12 +141,13 @@ class Groups:
         assert group is not None
         return group, "new"
 
+    @abc.abstractmethod
     def retire(self, group: dist.ProcessGroup) -> None:
-        raise NotImplementedError
+        """Take ``group`` out of use (gloo: keep it referenced; NCCL: abort its communicators)."""
 
+    @abc.abstractmethod
     def form(self, store: dist.Store, rank: int, world_size: int) -> None:
         """A new default group of this backend over ``store`` (a collective of the new members)."""
-        raise NotImplementedError
 
 
 class GlooGroups(Groups):

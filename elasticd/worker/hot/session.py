@@ -81,10 +81,19 @@ class Recovered:
 class Identity:
     """Who this worker is in the run, for its whole life (ranks change, the member name does not)."""
 
-    member: str
+    group: str  # the round's first fencing token: names this group's keys and its members
+    first_rank: int  # the rank this worker started with in the round
     node_id: str
     round: int
     min_members: int
+
+    @property
+    def member(self) -> str:
+        return member_name(self.group, self.first_rank)
+
+
+def member_name(group: str, rank: int) -> str:
+    return f"{group}.{rank}"
 
 
 class HotSession:
@@ -112,7 +121,7 @@ class HotSession:
         self._clock = clock
         self.membership = Membership(client, keys, clock=clock)
         self.health, self.holder = StepHealth(), GroupHolder()
-        self.group = identity.member.rsplit(".", 1)[0]  # the round's first token: names this group's keys
+        self.group = identity.group
         self.watch = FailureWatch(client, keys, self.group)
         self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
         self.guard = FailedStepGuard(self.health)
@@ -141,7 +150,7 @@ class HotSession:
         current = broadcast_object_list(current, from_process=0)
         self.epoch = int(current[0] or 0)
         world = int(self.accelerator.num_processes)
-        self.members = tuple(f"{self.group}.{rank}" for rank in range(world))
+        self.members = tuple(member_name(self.group, rank) for rank in range(world))
         self.watch.follow(self.epoch, self._nodes_of(self.members))
 
     def take_failure(self) -> StepFailure | None:
