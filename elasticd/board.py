@@ -45,6 +45,7 @@ class Phase(IntEnum):
     DONE = 5  # epochs finished: final waits and exit
     BUSY = 6  # the script's own long work between steps (``with run.busy():``, e.g. an evaluation)
     EXITING = 7  # an exception escaped the script: the process is on its way out (a failure for torch to report)
+    JOINING = 8  # imported and prepared, waiting to be admitted to a group that trains in place (hot recovery)
 
 
 @dataclass(frozen=True, slots=True)

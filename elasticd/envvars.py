@@ -31,6 +31,9 @@ BOARD = "ELASTICD_BOARD"
 ROUND = "ELASTICD_ROUND"
 # The fencing token of the worker group (elasticd/lineage.py): a commit is recorded only while it is current.
 FENCE_TOKEN = "ELASTICD_FENCE_TOKEN"
+# Set for the workers of a node that joins a group training in place (--recovery hot): the group's round. They
+# start in a private world of their own node, prepare, then ask to be admitted and heal from a live peer.
+JOIN_ROUND = "ELASTICD_JOIN_ROUND"
 # The daemon's pid. The worker launcher (elasticd/worker/launch.py) checks it is still its parent after asking the
 # kernel for a death signal, and the reaper (elasticd/agent/reaper.py) kills every process that carries it once that
 # daemon is gone: it marks everything a daemon started, down to the workers' own children.

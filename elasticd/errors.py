@@ -11,6 +11,9 @@ import errno
 EXIT_OK = 0
 EXIT_GAVE_UP = 1
 EXIT_USAGE = 2
+# A worker's exit code that tells its daemon to bring the node in through the rendezvous: it waited to join a group
+# training in place that stopped doing so (elasticd/agent/joining.py). A membership change, not a failure.
+EXIT_REJOIN = 4
 
 
 class ElasticdError(Exception):

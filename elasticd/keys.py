@@ -105,6 +105,12 @@ class RunKeys:
         """A node's short liveness lease (about a second, agent/node_lease.py): gone = the node vanished."""
         return f"{self.membership_alive_prefix}{node_id}"
 
+    @property
+    def membership_group(self) -> str:
+        """The group that trains in place now: its name, round and members' node ids (JSON, written by its rank 0).
+        A node that starts while it trains joins it in place instead of entering the rendezvous."""
+        return f"{self.prefix}membership/group"
+
     def hot_group_store(self, round_: int, epoch: int) -> str:
         """The c10d store prefix of one epoch's process group (elasticd/rendezvous/store.py over etcd)."""
         return f"{self.prefix}hot/pg/{round_}/{epoch}/"

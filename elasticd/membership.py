@@ -127,13 +127,16 @@ class Membership:
         round_: int,
         reason: str,
         fence: str | None = None,
+        fits: Callable[[int], bool] | None = None,
     ) -> Epoch | None:
         """Decide ``epoch`` if it can be decided now, else None; the decision in force if someone else was faster.
 
         ``previous`` are the members of the epoch before, ``is_dead(member)`` the daemons' liveness verdict.
         ``fence``, when given, is the lineage token the deciders hold: the decision is written only while it is still
-        the run's (a group that a newer round or epoch replaced can never decide again). Raises
-        :class:`BelowMinimum` when every previous member is accounted for and fewer than ``min_members`` bid."""
+        the run's (a group that a newer round or epoch replaced can never decide again). ``fits(world_size)`` says
+        whether the global batch splits over that many members: joiners are admitted only all together and only
+        when it does (otherwise they wait, warm, for an epoch that has room). Raises :class:`BelowMinimum` when every
+        previous member is accounted for and fewer than ``min_members`` bid."""
         current = self.current()
         if current is not None and current[0].number >= epoch:
             return current[0]
@@ -144,6 +147,12 @@ class Membership:
             bids = {m: b for m, b in bids.items() if m in previous or b.old_rank is None}
         if any(m not in bids and not is_dead(m) for m in previous):
             return None  # a live member has not bid yet: wait for it (or for its daemon to declare it dead)
+        # a joiner that died after its bid would hold up the new group's formation: leave it out
+        joiners = {m for m, b in bids.items() if b.old_rank is None and m not in previous}
+        dead_joiners = {m for m in joiners if is_dead(m)}
+        bids = {m: b for m, b in bids.items() if m not in dead_joiners}
+        if joiners - dead_joiners and fits is not None and not fits(len(bids)):
+            bids = {m: b for m, b in bids.items() if m not in joiners}  # no room: they stay spares
         if len(bids) < min_members:
             raise BelowMinimum(epoch, bids, min_members)
         order = rank_order(bids.values())

@@ -21,6 +21,7 @@ from elasticd import __version__, envvars, rundir
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
+from elasticd.agent.joining import group_to_join
 from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reaper import Reaper
@@ -179,6 +180,19 @@ def run_daemon(cfg: StartConfig) -> int:
                 registry=registry,
             ),
             membership=Membership(client, keys),
+            join_finder=(
+                (
+                    lambda: group_to_join(
+                        client,
+                        keys,
+                        cfg.node_id,
+                        max_nodes=cfg.max_nodes,
+                        nodes_waiting=handler.num_nodes_waiting(),
+                    )
+                )
+                if cfg.recovery == "hot"
+                else None
+            ),
         )
         stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)

@@ -59,6 +59,8 @@ class Observation:
     # the round must re-form for its sizes (agent/spares.py): the workers exited because the node count does not split
     # the global batch, or a spare saw a member leave
     resize: bool = False
+    # the workers waited to join a group in place that no longer trains that way: through the rendezvous instead
+    rejoin: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,8 @@ class SupervisorPolicy:
             return Decision(Action.LEAVE, reason="drain", planned=True)
         if obs.fatal_message:
             return Decision(Action.STOP, reason="fatal", message=obs.fatal_message)
+        if obs.rejoin and obs.state is GroupState.FAILED:
+            return Decision(Action.RESTART, reason="membership")
         if obs.resize:
             # arithmetic, not a fault: like a join, it never consumes --max-restarts
             return Decision(Action.RESTART, reason="membership", planned=obs.state is GroupState.HEALTHY)

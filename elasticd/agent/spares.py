@@ -134,6 +134,12 @@ class Sizing:
         self._next_watch.clear()
         return training
 
+    def joining(self, round_: int | None) -> None:
+        """This node's round is private (it joins a group in place, ``agent/joining.py``): it trains, and the
+        group decides its sizes; this node never re-forms for them."""
+        self.round, self.nodes, self.training, self.spare = round_, 1, None, False
+        self._next_watch.clear()
+
     def training_nodes(self, nodes: int, constraint: BatchConstraint | None) -> int:
         """How many of ``nodes`` train under ``constraint``; all when it is unknown or fits no count of the range
         (the workers then stop the run with the usage error)."""

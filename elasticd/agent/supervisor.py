@@ -24,6 +24,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticd import envvars
 from elasticd.agent.hangs import HangHandler
+from elasticd.agent.joining import GroupToJoin, join_name
 from elasticd.agent.policy import Action, GroupState, HangReport, Observation, SupervisorPolicy
 from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.reconfig import Reconfigurations
@@ -31,6 +32,7 @@ from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.spares import Sizing
 from elasticd.agent.stragglers import StragglerDetector
+from elasticd.errors import EXIT_REJOIN
 from elasticd.etcd.client import EtcdError
 from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
@@ -78,6 +80,7 @@ class ElasticdAgent(LocalElasticAgent):
         clock: Callable[[], float] = time.monotonic,
         sizing: Sizing | None = None,
         membership: Membership | None = None,
+        join_finder: Callable[[], GroupToJoin | None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -103,6 +106,9 @@ class ElasticdAgent(LocalElasticAgent):
         self._round_token: str | None = None  # the token the round started with: its workers' member names
         self._membership = membership  # hot recovery's epochs: each one moves the token in place
         self.regrouped_in_place = False  # the workers re-formed their group in place during this round
+        self._join_finder = join_finder  # hot recovery: a group that trains in place, for a starting node to join
+        self.joining: GroupToJoin | None = None  # this round is private: its workers join that group in place
+        self._through_rendezvous = False  # the next round comes from the rendezvous, not from joining in place
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
@@ -126,6 +132,14 @@ class ElasticdAgent(LocalElasticAgent):
         handler = worker_group.spec.rdzv_handler
         self._registry.update(state="rendezvous", rdzv_member=getattr(handler, "member", None))
         start = self._clock()
+        # a node that starts, or restarts its workers (they died, were left out, or fell back), joins the run's group
+        # in place while it trains that way; after giving up on that once, through the rendezvous
+        try_join, self._through_rendezvous, self.joining = not self._through_rendezvous, False, None
+        if try_join and self._join_finder is not None and isinstance(handler, ElasticdRendezvousHandler):
+            self.joining = self._poll(self._join_finder, None)
+            if self.joining is not None:
+                handler.join_in_place(self.joining.round)
+                self._log.info("joining_in_place", round=self.joining.round, group_nodes=list(self.joining.nodes))
         while True:
             try:
                 super()._rendezvous(worker_group)
@@ -155,7 +169,7 @@ class ElasticdAgent(LocalElasticAgent):
             world_size=world_size,
             duration_s=round(duration_s, 3),
         )
-        if previous:
+        if previous and self.joining is None:  # a private round names no other node: nobody was lost
             for lost in sorted(set(previous) - set(members)):
                 self._log.warning("node_lost", lost_node=lost)
             for joined in sorted(set(members) - set(previous)):
@@ -215,6 +229,10 @@ class ElasticdAgent(LocalElasticAgent):
         """The new group's fencing token: written by the round's rank 0 (a checked etcd transaction, bounded
         retries) and passed to the others through the round's store. A round whose token could not be written
         starts no workers (they could never commit): it is abandoned, and the nodes form another."""
+        if self.joining is not None:
+            # no token of the run's until an epoch admits this node's workers (on_beat adopts it then)
+            self._round_token = join_name(self._node_id)
+            return None
         if self._lineage is None:
             return None
         store = worker_group.store
@@ -276,6 +294,9 @@ class ElasticdAgent(LocalElasticAgent):
     def _assign_worker_ranks(
         self, store: Any, group_rank: int, group_world_size: int, spec: WorkerSpec
     ) -> list[Worker]:
+        if self.joining is not None:
+            self.sizing.joining(getattr(spec.rdzv_handler, "round", None))
+            return super()._assign_worker_ranks(store, group_rank, group_world_size, spec)
         # Only the nodes that train get ranks, counted among themselves (WORLD_SIZE, RANK); a spare gets none.
         training = self.sizing.agree(store, group_rank, group_world_size, getattr(spec.rdzv_handler, "round", None))
         if group_rank >= training:
@@ -293,6 +314,11 @@ class ElasticdAgent(LocalElasticAgent):
         os.environ[envvars.ROUND] = str(self.round if self.round is not None else 0)
         if self.token is not None:
             os.environ[envvars.FENCE_TOKEN] = self.token
+        if self.joining is not None and self._round_token is not None:
+            os.environ[envvars.FENCE_TOKEN] = self._round_token  # fences nothing in: never the run's token
+            os.environ[envvars.JOIN_ROUND] = str(self.joining.round)
+        else:
+            os.environ.pop(envvars.JOIN_ROUND, None)
         self.reports.reset({w.local_rank for w in worker_group.workers})
         self.stragglers.reset()
         self._workers_started_at = self._clock()
@@ -316,6 +342,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.sizing.on_beat(beat)
         if beat.get("kind") == "reconfigured":
             self.regrouped_in_place = True
+            if beat.get("token"):
+                self.token = str(beat["token"])  # a joiner's workers were admitted: the epoch's token is theirs
 
     def _exit_barrier(self) -> None:
         # torch waits for every agent of the round here; after a recovery in place a lost node never comes, and
@@ -376,6 +404,7 @@ class ElasticdAgent(LocalElasticAgent):
                     hang=hang,
                     lineage_lost=lineage_lost,
                     resize=self._poll(partial(self.sizing.reform_needed, state, result.failures), False),
+                    rejoin=bool(result.failures) and all(f.exitcode == EXIT_REJOIN for f in result.failures.values()),
                 )
             )
             if decision.action is Action.CONTINUE:
@@ -388,6 +417,8 @@ class ElasticdAgent(LocalElasticAgent):
             if hang is not None:
                 self._kill_local_workers()  # hung or stopped processes ignore torch's SIGTERM for its 30 s grace
             if decision.action is Action.RESTART:
+                # joining in place did not work out: next time through the rendezvous
+                self._through_rendezvous = self.joining is not None and not self.regrouped_in_place
                 self.progress.fault()
                 if decision.counts_as_restart:
                     self._remaining_restarts -= 1

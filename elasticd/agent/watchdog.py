@@ -172,7 +172,7 @@ class Watchdog:
             return None
         if slot.phase in _STARTUP_PHASES:
             return self.startup_s
-        if slot.phase is Phase.PARKED:
+        if slot.phase in (Phase.PARKED, Phase.JOINING):
             return None
         if slot.phase is Phase.EXITING:
             return min(EXIT_ALLOWANCE_S, self.startup_s)

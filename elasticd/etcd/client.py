@@ -240,6 +240,12 @@ class EtcdClient:
         """Write ``key`` only if ``guard_key`` currently holds ``expected`` (a fence); True when written."""
         return self.put_all_if_equal(guard_key, expected, {key: value})
 
+    def put_all(self, items: dict[str, bytes | str]) -> None:
+        """Write every key of ``items`` in one transaction: a reader sees all of them or none."""
+        tx = self._raw.transactions
+        puts = [tx.put(key, value) for key, value in items.items()]
+        self._call("put", lambda: self._raw.transaction(compare=[], success=puts, failure=[]))
+
     def put_all_if_equal(self, guard_key: str, expected: bytes | str, items: dict[str, bytes | str]) -> bool:
         """Write every key of ``items`` in one transaction, only if ``guard_key`` currently holds ``expected``;
         True when written (all of them), False when the guard did not hold (none of them)."""

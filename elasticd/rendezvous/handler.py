@@ -79,6 +79,7 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
     _closing_round: int | None = None
     _closing: CloseWhenEveryoneIsIn | None = None
     closed_early: int = 0  # rounds this node saw closed without the last call
+    _private_round: int | None = None  # the next rendezvous is this node alone, to join that round in place
 
     def reform_fast(self, client: EtcdClient, backend: EtcdV3RendezvousBackend) -> bool:
         """Rendezvous waits that end when the state changes (``wakeup.py``) and re-forming rounds that close as
@@ -113,8 +114,18 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
         """Never: workers get their own TCPStore address each round (see :meth:`next_rendezvous`)."""
         return False
 
+    def join_in_place(self, round_: int) -> None:
+        """Make the next rendezvous a private round of this node alone: it joins ``round_``'s group, which trains
+        in place, through its workers instead of a new round (``elasticd/agent/joining.py``)."""
+        self._private_round = round_
+
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Each round publishes a fresh MASTER_ADDR/MASTER_PORT picked by its rank 0."""
+        if self._private_round is not None:
+            from elasticd.agent.joining import private_round
+
+            self._completed_round, self._private_round = self._private_round, None
+            return private_round(self._this_node.addr)
         # torch reads this inside next_rendezvous. Sharing round 1's TCPStore with the workers breaks recovery
         # when the node hosting it dies: every later round points at the dead host (pytorch issue #135712).
         os.environ[envvars.TORCH_DISABLE_SHARED_STORE] = "1"

@@ -6,17 +6,25 @@ today's cold path. At each optimizer-step boundary :meth:`HotPath.recovered_from
 recovery in place (the run continues at the new size from the same sample) or, when the hot path cannot go on, ends
 the worker for the daemons' cold restart from the newest committed checkpoint. The first completed step at the new
 size reports the recovery to the daemon (beat ``reconfigured``: metrics, events, ``elasticd status``).
+
+A node that joins a group training in place (its daemon sets ``ELASTICD_JOIN_ROUND``) arms as a joiner: in
+``run.resume`` it asks to be admitted and waits, warm, until an epoch takes it, then heals from a live peer and
+continues from the group's step and sample (:meth:`HotPath.arm`). The running members admit joiners at a step
+boundary they agree on (:meth:`HotPath.admit`, from the checkpoint agreement of ``coordination.py``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from elasticd.agent.joining import group_alive
+from elasticd.agent.registry import read_nodes
 from elasticd.board import Phase
-from elasticd.errors import ElasticdError
+from elasticd.errors import EXIT_REJOIN, ElasticdError
 from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
@@ -31,6 +39,10 @@ if TYPE_CHECKING:
 EXIT_HOT_FALLBACK = 1
 
 
+class JoinerNotNeeded(ElasticdError):
+    """The run this joiner waited for finished: nothing is left to train."""
+
+
 class HotPath:
     def __init__(self, run: Run, session: HotSession) -> None:
         self.run = run
@@ -42,7 +54,8 @@ class HotPath:
         s = run.settings
         if s.recovery != "hot" or not (s.etcd and s.fence_token and s.node_id):
             return None  # cold by choice, or no daemon
-        if run.world_size < 2:
+        joining = s.join_round is not None
+        if run.world_size < 2 and not joining:
             run.log.info("hot_recovery_off", reason="a world of one worker has nobody to re-form with")
             return None
         if not is_gloo_world():
@@ -53,7 +66,16 @@ class HotPath:
             )
         except (EtcdError, ElasticdError) as exc:
             return cls._unsupported(run, f"etcd unreachable from the worker: {exc}")
-        identity = Identity(s.fence_token, run.rank, s.node_id, s.round, (s.min_nodes or 1) * s.nproc_per_node)
+        minimum = (s.min_nodes or 1) * s.nproc_per_node
+        keys = RunKeys(s.run_id)
+        if joining:
+            group = _group_to_join(client, keys, s.join_round or 0)
+            if group is None:
+                client.close()
+                return cls._unsupported(run, "the group this node was to join no longer trains in place")
+            identity = Identity(group, run.rank, s.node_id, s.join_round or 0, minimum, name=s.fence_token)
+        else:
+            identity = Identity(s.fence_token, run.rank, s.node_id, s.round, minimum)
         try:
             session = HotSession(
                 run.accelerator,
@@ -61,22 +83,66 @@ class HotPath:
                 optimizer,
                 scheduler,
                 client=client,
-                keys=RunKeys(s.run_id),
+                keys=keys,
                 identity=identity,
                 fence=s.fence_token,
             )
-            session.start(advertised_host(s.local_addr))
+            session.start(advertised_host(s.local_addr), joining=joining)
         except HotRecoveryError as exc:  # an unsupported setup, or torch/accelerate moved a surface we rely on
             client.close()
             return cls._unsupported(run, str(exc))
         run.coordinator.on_failure = session.hook.abort
-        run.log.info("hot_recovery_armed", member=identity.member, epoch=session.epoch)
-        return cls(run, session)
+        run.coordinator.wants_join = lambda: session.joiners_fit(run.plan_for)
+        run.log.info("hot_recovery_armed", member=identity.member, epoch=session.epoch, joining=joining)
+        path = cls(run, session)
+        if joining:
+            path._join(client, keys, identity.round)
+        return path
+
+    def _join(self, client: EtcdClient, keys: RunKeys, round_: int) -> None:
+        """Wait, warm, until the group admits this node's workers; then they are members like any other."""
+        run = self.run
+        run.slot.set_phase(Phase.JOINING)  # not a hang, however long a spare waits for room
+        run.log.info("join_requested", member=self.session.identity.member, round=round_)
+
+        group = self.session.identity.group
+
+        def still_wanted() -> bool:
+            if not group_alive(client, keys, group, round_):
+                return False
+            if any(r.get("round") == round_ and r.get("state") == "finished" for r in read_nodes(client, keys)):
+                raise JoinerNotNeeded("the run finished while this node waited to join")
+            return True
+
+        try:
+            recovered = self.session.join(run.state, run.plan_for, still_wanted)
+        except HotFallback as exc:
+            self._fall_back(exc.reason, str(exc), EXIT_REJOIN)
+        except JoinerNotNeeded as exc:
+            run.log.info("join_not_needed", message=str(exc))
+            self._exit(0)
+        self._adopt(recovered)
+
+    def admit(self) -> None:
+        """At the step boundary every member agreed on: admit the joiners waiting (heal them from rank 0)."""
+        run = self.run
+        at = time.monotonic()
+        run.slot.set_phase(Phase.LOADING)
+        try:
+            recovered = self.session.admit(run.state, run.plan_for, at)
+        except HotFallback as exc:
+            self._fall_back(exc.reason, str(exc))
+        self._adopt(recovered, planned=True)
 
     @staticmethod
     def _unsupported(run: Run, why: str) -> None:
         run.log.warning("hot_recovery_unsupported", reason=why, fallback="cold restarts from checkpoints")
         run.beats.send("hot_fallback", reason="unsupported", message=why)
+        if run.settings.join_round is not None:
+            # a joiner that cannot join in place leaves it to its daemon: through the rendezvous, cold
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_REJOIN)
         return None
 
     def recovered_from_failure(self) -> bool:
@@ -94,9 +160,16 @@ class HotPath:
         self._adopt(recovered)
         return True
 
-    def _adopt(self, recovered: Recovered) -> None:
+    def _adopt(self, recovered: Recovered, *, planned: bool = False) -> None:
         run = self.run
-        run.regrouped(recovered.rank, recovered.world_size, recovered.state, recovered.plan, recovered.epoch.token)
+        run.regrouped(
+            recovered.rank,
+            recovered.world_size,
+            recovered.state,
+            recovered.plan,
+            recovered.epoch.token,
+            planned=planned,
+        )
         run.slot.set_phase(Phase.TRAINING)
         self._report = {
             "reason": recovered.epoch.reason,
@@ -127,16 +200,32 @@ class HotPath:
         self.run.beats.send("reconfigured", seconds=round(seconds, 4), **report)
         self.run.log.info("reconfigured", seconds=round(seconds, 4), **report)
 
-    def _fall_back(self, reason: str, message: str) -> NoReturn:
+    def _fall_back(self, reason: str, message: str, code: int = EXIT_HOT_FALLBACK) -> NoReturn:
         run = self.run
         run.log.error("hot_fallback", reason=reason, message=message)
         run.beats.send("hot_fallback", reason=reason, message=message)
         run.saver.wait()  # this rank's own write and commit: nothing sealed is lost
+        # The daemon sees a failed worker and restarts cold (a joiner's: goes through the rendezvous).
+        self._exit(code)
+
+    @staticmethod
+    def _exit(code: int) -> NoReturn:
         sys.stdout.flush()
         sys.stderr.flush()
         # Not SystemExit: interpreter teardown would drop the abandoned gloo group, whose destructor waits out a
-        # pending collective for the group's timeout (minutes). The daemon sees a failed worker and restarts cold.
-        os._exit(EXIT_HOT_FALLBACK)
+        # pending collective for the group's timeout (minutes).
+        os._exit(code)
 
     def close(self) -> None:
         self.session.close()
+
+
+def _group_to_join(client: EtcdClient, keys: RunKeys, round_: int) -> str | None:
+    """The name of the group of ``round_`` that trains in place now, or None (gone, or another round's)."""
+    found = client.get(keys.membership_group)
+    if found is None:
+        return None
+    record = json.loads(found[0])
+    if record.get("round") != round_ or not group_alive(client, keys, str(record["group"]), round_):
+        return None
+    return str(record["group"])

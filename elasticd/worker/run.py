@@ -124,7 +124,8 @@ class Run:
         self.hot: HotPath | None = None
         self._loaders: list[ElasticLoader] = []  # every loader made by dataloader(), by identity
         self._replanned: dict[int, ElasticLoader] = {}  # id(original) -> the same loader planned for the new world
-        if self.accelerator.is_main_process:
+        # (a joiner does not: the group it joins may be writing a checkpoint right now)
+        if self.accelerator.is_main_process and self.settings.join_round is None:
             self._remove_partials()
         self.accelerator.wait_for_everyone()
 
@@ -190,7 +191,8 @@ class Run:
             # once per optimizer step whatever the world size (accelerate would step it W times)
             scheduler.split_batches = True
         self.slot.set_phase(Phase.LOADING)
-        checkpoint = self._resume_point()
+        # a joiner takes its state from a live peer when it is admitted (in HotPath.arm), not from disk
+        checkpoint = self._resume_point() if self.settings.join_round is None else None
         if checkpoint is not None:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
@@ -373,6 +375,8 @@ class Run:
             self.save(planned=outcome.requested)
         if outcome.requested:
             self._park()
+        if outcome.admit and self.hot is not None:
+            self.hot.admit()  # joiners come in at this boundary, on every rank alike
         self._step_started = time.perf_counter()
         return True
 
@@ -395,8 +399,19 @@ class Run:
             max_nodes=s.max_nodes,
         )
 
-    def regrouped(self, rank: int, world_size: int, state: TrainingState, plan: BatchPlan | None, token: str) -> None:
-        """After a recovery in place: train as ``rank`` of ``world_size`` from ``state`` (the healed one)."""
+    def regrouped(
+        self,
+        rank: int,
+        world_size: int,
+        state: TrainingState,
+        plan: BatchPlan | None,
+        token: str,
+        *,
+        planned: bool = False,
+    ) -> None:
+        """After a recovery in place: train as ``rank`` of ``world_size`` from ``state`` (the healed one).
+
+        ``planned``: a join at an agreed step boundary (no failure)."""
         self.rank, self.world_size, self.state = rank, world_size, state
         if plan is not None:
             self.plan = plan
@@ -406,7 +421,7 @@ class Run:
                     old.dataset_len, plan, rank, shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last
                 )
                 self._replanned[id(loader)] = replace(loader, plan=plan, sampler=sampler)
-        self.coordinator.regroup(rank, world_size)
+        self.coordinator.regroup(rank, world_size, planned=planned)
         if self.fence is not None:
             self.fence.token = token
         self.store.adopt_token(token)

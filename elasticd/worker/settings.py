@@ -35,6 +35,7 @@ class WorkerSettings:
     recovery: str = "cold"  # "hot" under a daemon that asks for it (--recovery)
     node_id: str | None = None
     local_addr: str | None = None
+    join_round: int | None = None  # this node joins the group of that round in place (hot recovery)
 
     @property
     def under_daemon(self) -> bool:
@@ -67,4 +68,5 @@ class WorkerSettings:
             recovery=e.get(envvars.RECOVERY) or "cold",
             node_id=e.get(envvars.NODE_ID) or None,
             local_addr=e.get(envvars.LOCAL_ADDR) or None,
+            join_round=int(e[envvars.JOIN_ROUND]) if e.get(envvars.JOIN_ROUND) else None,
         )

@@ -15,6 +15,13 @@ step whose gradients could not be reduced, :meth:`HotSession.recover`:
 Anything that stops this (fewer than the minimum, a member dying during the re-formation, a batch plan that does not
 fit the new world, this member left out) raises :class:`HotFallback`: the worker exits and the daemons restart the
 group from the newest committed checkpoint, today's cold path.
+
+**Joins** go the same way without a failure. The workers of a joining node start in a private world of their node,
+import and prepare, then :meth:`HotSession.join` bids for the next epoch with no old rank (one etcd transaction for
+the whole node) and waits. The running members see the bids (``watch.py``), agree on a step boundary
+(``coordination.py``) and there :meth:`HotSession.admit` moves everyone to the next epoch: re-formed with the joiners,
+which heal from rank 0 over the new group, not from disk. Joiners whose number does not split the global batch are
+left out of the epoch and stay warm: they bid again for the next one, and step in when a member is lost.
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ DECIDE_TIMEOUT_S = 120.0
 _DECIDE_POLL_S = 0.05
 # Forming the new group waits this long for every member of the decided epoch (one that dies meanwhile: cold path).
 FORM_TIMEOUT = timedelta(seconds=15)
+# A joiner looks this often (seconds) whether the group it waits for still trains; a change in etcd wakes it sooner.
+_JOIN_POLL_S = 1.0
 
 
 class HotFallback(HotRecoveryError):
@@ -81,15 +90,16 @@ class Recovered:
 class Identity:
     """Who this worker is in the run, for its whole life (ranks change, the member name does not)."""
 
-    group: str  # the round's first fencing token: names this group's keys and its members
-    first_rank: int  # the rank this worker started with in the round
+    group: str  # the round's first fencing token: names this group's keys (a joiner learns it from etcd)
+    first_rank: int  # the rank this worker started with in the round (a joiner: in its node's private world)
     node_id: str
     round: int
     min_members: int
+    name: str | None = None  # the prefix of this worker's member name, when it is not the group's (a joiner)
 
     @property
     def member(self) -> str:
-        return member_name(self.group, self.first_rank)
+        return member_name(self.name or self.group, self.first_rank)
 
 
 def member_name(group: str, rank: int) -> str:
@@ -135,13 +145,17 @@ class HotSession:
 
     # -- start ---------------------------------------------------------------------------------------------------
 
-    def start(self, advertise: str) -> None:
-        """Arm the hook and the guard, publish this member, learn the epoch in force (every rank calls it)."""
+    def start(self, advertise: str, *, joining: bool = False) -> None:
+        """Arm the hook and the guard, publish this member, learn the epoch in force (every rank calls it).
+
+        ``joining``: this worker joins a group that trains already (:meth:`join` comes next)."""
         self.hook.register(self.model)
         self.guard.install(self.optimizer)
         self.listener = ProbeListener()
         record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
         self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))
+        if joining:
+            return
         current: list[int | None] = [None]
         if self.rank == 0:
             found = self.membership.current()
@@ -151,7 +165,26 @@ class HotSession:
         self.epoch = int(current[0] or 0)
         world = int(self.accelerator.num_processes)
         self.members = tuple(member_name(self.group, rank) for rank in range(world))
-        self.watch.follow(self.epoch, self._nodes_of(self.members))
+        nodes = self._nodes_of(self.members)
+        if self.rank == 0:
+            self._publish_group(nodes)
+        self.watch.follow(self.epoch, nodes)
+
+    def _publish_group(self, nodes: set[str]) -> None:
+        """Tell nodes that start now that this group trains in place (they join it instead of a rendezvous)."""
+        record = {"group": self.group, "round": self.identity.round, "nodes": sorted(nodes)}
+        self.client.put(self.keys.membership_group, json.dumps(record))
+
+    def joiners_fit(self, plan_for: Callable[[int], BatchPlan | None]) -> bool:
+        """Are workers waiting to join, and does the global batch split over the group with them? (any rank)"""
+        waiting = self.watch.joiners()
+        if not waiting:
+            return False
+        try:
+            plan_for(len(self.members) + waiting)
+        except BatchPlanError:
+            return False  # they stay warm spares until a loss makes room
+        return True
 
     def take_failure(self) -> StepFailure | None:
         """At the optimizer-step boundary: the failure of the step that just ended, if any (once per step)."""
@@ -168,16 +201,68 @@ class HotSession:
     ) -> Recovered:
         try:
             return self._recover(failure, state, plan_for, reason)
-        except HotFallback:
-            raise
-        except BelowMinimum as exc:
-            raise HotFallback("below_minimum", str(exc)) from None
-        except BatchPlanError as exc:
-            raise HotFallback("batch_plan", str(exc)) from None
-        except HotRecoveryError as exc:
-            raise HotFallback("reform_failed", str(exc)) from None
-        except EtcdError as exc:
-            raise HotFallback("etcd", str(exc)) from None
+        except Exception as exc:
+            raise self._fallback(exc) from None
+
+    def admit(self, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], detected_at: float) -> Recovered:
+        """At the step boundary the group agreed on: move to the next epoch with the joiners (every member calls it).
+
+        ``detected_at``: when this member saw the group agree (the stall is measured from it)."""
+        try:
+            self.membership.bid(self.epoch + 1, Bid(self.identity.member, self.rank, state.step))
+            return self._move(self._decide(self.epoch + 1, "join", plan_for), state, plan_for, detected_at)
+        except Exception as exc:
+            raise self._fallback(exc) from None
+
+    def join(
+        self, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], still_wanted: Callable[[], bool]
+    ) -> Recovered:
+        """A joiner, imported and prepared: ask to be admitted, wait (warm) until an epoch takes this node's workers,
+        then re-form with the group and heal from its rank 0. Every worker of the node calls it (a collective of the
+        node's private world). ``still_wanted()`` is asked about once a second: False (the group stopped training
+        in place, the run ended) gives up, and the daemon brings this node in through the rendezvous."""
+        try:
+            return self._join(state, plan_for, still_wanted)
+        except Exception as exc:
+            raise self._fallback(exc) from None
+
+    def _join(
+        self, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], still_wanted: Callable[[], bool]
+    ) -> Recovered:
+        me = self.identity.member
+        asked_at = self._clock()
+        # the node's workers bid in one transaction: an epoch takes all of them or none
+        names: list[Any] = [None] * int(self.accelerator.num_processes)
+        dist.all_gather_object(names, me)
+        while True:
+            found = self.membership.current()
+            target = 1 if found is None else found[0].number + 1
+            if self.rank == 0:
+                items: dict[str, bytes | str] = {
+                    self.keys.membership_bid(target, str(name)): Bid(str(name), None, 0).encode() for name in names
+                }
+                self.client.put_all(items)
+            decision = None
+            while decision is None:
+                decision = self.membership.wait(target, _JOIN_POLL_S)
+                if decision is None and not still_wanted():
+                    raise HotFallback("join_abandoned", "the group this node waited to join no longer trains in place")
+            if me in decision.members:
+                self.epoch = decision.number - 1  # the epoch this node's workers join from
+                return self._move(decision, state, plan_for, asked_at)
+
+    def _fallback(self, exc: Exception) -> HotFallback:
+        if isinstance(exc, HotFallback):
+            return exc
+        if isinstance(exc, BelowMinimum):
+            return HotFallback("below_minimum", str(exc))
+        if isinstance(exc, BatchPlanError):
+            return HotFallback("batch_plan", str(exc))
+        if isinstance(exc, HotRecoveryError):
+            return HotFallback("reform_failed", str(exc))
+        if isinstance(exc, EtcdError):
+            return HotFallback("etcd", str(exc))
+        raise exc
 
     def _recover(
         self, failure: StepFailure, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], reason: str
@@ -186,7 +271,13 @@ class HotSession:
         self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{me}: {failure.reason}")
         target = self.epoch + 1
         self.membership.bid(target, Bid(me, self.rank, state.step))
-        decision = self._decide(target, reason)
+        return self._move(self._decide(target, reason, plan_for), state, plan_for, failure.at)
+
+    def _move(
+        self, decision: Epoch, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], detected_at: float
+    ) -> Recovered:
+        """Re-form into ``decision``'s group and heal from its rank 0."""
+        me, target = self.identity.member, self.epoch + 1
         if decision.number != target:
             raise HotFallback("epoch_skipped", f"expected epoch {target}, epoch {decision.number} is in force")
         rank = decision.rank_of(me)
@@ -199,12 +290,14 @@ class HotSession:
         healed, report = heal(0, self.model, self.optimizer, self.scheduler, state)
         lost_nodes = tuple(sorted(self._nodes_of(self.members) - self._nodes_of(decision.members)))
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
-        self.watch.follow(target, self._nodes_of(decision.members))
+        nodes = self._nodes_of(decision.members)
+        self.watch.follow(target, nodes)
         if rank == 0:
             self.membership.forget(target - 1)
-        return Recovered(decision, rank, world, healed, plan, report.payload_bytes, failure.at, lost_nodes)
+            self._publish_group(nodes)
+        return Recovered(decision, rank, world, healed, plan, report.payload_bytes, detected_at, lost_nodes)
 
-    def _decide(self, target: int, reason: str) -> Epoch:
+    def _decide(self, target: int, reason: str, plan_for: Callable[[int], BatchPlan | None] | None = None) -> Epoch:
         deadline = self._clock() + DECIDE_TIMEOUT_S
         while True:
             before = self.client.revision()
@@ -216,6 +309,7 @@ class HotSession:
                 round_=self.identity.round,
                 reason=reason,
                 fence=self.fence,
+                fits=None if plan_for is None else _fits(plan_for),
             )
             if decision is not None:
                 return decision
@@ -261,6 +355,17 @@ class HotSession:
             abandoned.leak()
         if self.listener is not None:
             self.listener.close()
+
+
+def _fits(plan_for: Callable[[int], BatchPlan | None]) -> Callable[[int], bool]:
+    def fits(world_size: int) -> bool:
+        try:
+            plan_for(world_size)
+        except BatchPlanError:
+            return False
+        return True
+
+    return fits
 
 
 def advertised_host(local_addr: str | None) -> str:

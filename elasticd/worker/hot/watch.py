@@ -10,6 +10,9 @@ never otherwise) from memory:
 - ``membership/alive/<node>`` gone for a node of a current member: that node's daemon stopped refreshing its
   one-second lease (``agent/node_lease.py``).
 
+It also counts the joiners that bid for the next epoch (:meth:`FailureWatch.joiners`): warm workers of a node that
+asks to be admitted, which the group lets in at a step boundary it agrees on (``elasticd/worker/coordination.py``).
+
 A healthy step costs nothing here: the watch wakes only when a key under ``membership/`` changes, and lease
 refreshes change no key.
 """
@@ -21,6 +24,7 @@ from collections.abc import Collection
 
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
+from elasticd.membership import Bid
 
 # How long one watch call lasts before it is renewed (seconds); a change wakes it at once.
 _WATCH_SLICE_S = 5.0
@@ -39,13 +43,14 @@ class FailureWatch:
         self._epoch = 0
         self._nodes: frozenset[str] = frozenset()
         self._reason: str | None = None
+        self._joiners = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def follow(self, epoch: int, nodes: Collection[str]) -> None:
         """Watch ``epoch`` (whose members run on ``nodes``) from now on; forgets the previous epoch's verdict."""
         with self._lock:
-            self._epoch, self._nodes, self._reason = epoch, frozenset(nodes), None
+            self._epoch, self._nodes, self._reason, self._joiners = epoch, frozenset(nodes), None, 0
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elasticd-hot-watch", daemon=True)
             self._thread.start()
@@ -53,6 +58,11 @@ class FailureWatch:
     def reason(self) -> str | None:
         with self._lock:
             return self._reason
+
+    def joiners(self) -> int:
+        """Workers that asked to join the next epoch (bid with no old rank), as last seen."""
+        with self._lock:
+            return self._joiners
 
     def close(self) -> None:
         self._stop.set()
@@ -76,6 +86,10 @@ class FailureWatch:
             gone = sorted(nodes - alive)
             if gone:
                 reason = f"node liveness lease gone: {', '.join(gone)}"
+        bids = self._client.get_prefix(self._keys.membership_bids_prefix(epoch + 1))
+        joiners = sum(1 for _, raw, _ in bids if Bid.decode(raw).old_rank is None)
         with self._lock:
-            if self._epoch == epoch and reason is not None:
-                self._reason = reason
+            if self._epoch == epoch:
+                self._joiners = joiners
+                if reason is not None:
+                    self._reason = reason

@@ -1,0 +1,60 @@
+"""Joining in place under real daemons: a node that starts while the group trains joins it without a restart.
+
+examples/train.py under real ``elasticd start`` processes (``--recovery hot``, the default) on 127.0.0.1 with a real
+etcd and gloo. The joining node's workers import and prepare in a world of their own, ask to be admitted, and heal
+from a live peer at a step boundary the group agreed on: the running workers keep their processes, no rendezvous
+round and no checkpoint comes first, no step is lost or repeated, and the run ends at the new size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, train_args, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def _done_pids(node) -> set[int]:  # type: ignore[no-untyped-def]
+    return {int(e["pid"]) for e in read_json_lines(node.out) if e.get("event") == "done"}
+
+
+def test_a_node_that_starts_while_the_group_trains_joins_in_place_and_nothing_restarts(  # type: ignore[no-untyped-def]
+    etcd, tmp_path: Path
+) -> None:
+    names = ["hj-0", "hj-1"]
+    with Cluster(etcd.endpoint, tmp_path, run_id="hotjoin", min_nodes=2, max_nodes=3, script_args=train_args(300)) as c:
+        for name in names:
+            c.start(name)
+        c.wait_step(lambda s: s["step"] >= 10 and s["world_size"] == 2, what="step 10 on 2 workers")
+        pids = {n: c.nodes[n].worker_pids() for n in names}
+        rounds = {n: len(c.nodes[n].events("rendezvous_done")) for n in names}
+        joiner = c.start("hj-2")
+        joined = c.wait_step(lambda s: s["world_size"] == 3, timeout_s=90, what="a step on 3 workers")
+        assert joiner.events("joining_in_place"), joiner.tail(60)
+        for name in [*names, "hj-2"]:
+            assert c.nodes[name].wait(150) == 0, c.diagnostics()
+        wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")
+        for name in names:
+            node = c.nodes[name]
+            assert not node.events("restart"), f"{name} restarted its workers\n{c.diagnostics()}"
+            assert not node.events("checkpoint_requested"), c.diagnostics()  # no checkpoint before a join in place
+            assert len(node.events("rendezvous_done")) == rounds[name], c.diagnostics()
+            assert _done_pids(node) <= set(pids[name])  # the same processes trained before and after
+            event = node.wait_event("reconfigured", timeout_s=5)
+            assert event["reason"] == "join" and event["world_size"] == 3 and event["lost_steps"] == 0
+        assert not joiner.events("restart"), joiner.tail(60)
+        event = joiner.wait_event("reconfigured", timeout_s=5)
+        assert event["reason"] == "join" and event["world_size"] == 3 and event["heal_bytes"] > 0
+        steps: dict[int, list[dict]] = {}  # type: ignore[type-arg]
+        for step in c.all_steps():
+            steps.setdefault(step["step"], []).append(step)
+        # every step once, through the join: none lost, none repeated
+        assert sorted(steps) == list(range(1, 301)), sorted(steps)
+        assert all(len(v) == 1 for v in steps.values())
+        assert steps[300][0]["world_size"] == 3
+        # the same global batch: accumulation 6 on 2 workers, 4 on 3
+        assert {s[0]["accumulation"] for s in steps.values() if s[0]["world_size"] == 3} == {4}
+        assert joined["step"] > 10
