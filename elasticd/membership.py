@@ -194,6 +194,17 @@ class Membership:
             start = before + 1 if found is None else found[1] + 1
             self._client.wait_for_change(self._keys.membership_epoch, start, remaining)
 
+    def notify_group(self, text: str) -> bool:
+        """Write the failure notice of the group training in place now (``membership/group``): its members fail
+        their step with ``text`` within milliseconds, even inside a collective. False when no group trains so."""
+        found = self._client.get(self._keys.membership_group)
+        if found is None:
+            return False
+        group = str(json.loads(found[0])["group"])
+        current = self.current()
+        epoch = 0 if current is None else current[0].number
+        return self._client.create(self._keys.membership_notice(group, epoch), text)
+
     def forget(self, epoch: int) -> int:
         """Remove the bids for ``epoch``; call once a later epoch is in force (nobody reads them any more)."""
         return self._client.delete_prefix(self._keys.membership_bids_prefix(epoch))

@@ -244,6 +244,7 @@ class HangHandler:
             attempt=int(summary["attempt"]),
             path=str(summary.get("path", path)),
             culprits=tuple(summary["culprit_ranks"]),
+            culprit_nodes=tuple(summary["culprit_nodes"]),
         )
 
     def _abandon(self, log: Any, exited: list[int], step: int | None) -> None:

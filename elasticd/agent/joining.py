@@ -27,6 +27,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd.agent.registry import read_nodes
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.membership import Epoch
@@ -48,7 +49,8 @@ def group_to_join(
 
     Live means: its record names the round whose token (or one of its epochs') is the run's fencing token, a worker
     of its current epoch answers its liveness probe, no node waits in the rendezvous (a restart is coming anyway),
-    and it has room for this node."""
+    and it has room for this node. A round that keeps spare nodes without workers (``agent/spares.py``) is joined
+    through the rendezvous too: the new node count may let them train, which only a new round can do."""
     if nodes_waiting > 0:
         return None
     try:
@@ -57,7 +59,10 @@ def group_to_join(
             return None
         record = json.loads(found[0])
         group = GroupToJoin(str(record["group"]), int(record["round"]), tuple(str(n) for n in record["nodes"]))
-        if len(set(group.nodes) - {node_id}) >= max_nodes or not group_alive(client, keys, group.name, group.round):
+        if len(set(group.nodes) - {node_id}) >= max_nodes:
+            return None
+        spares = [r for r in read_nodes(client, keys) if r.get("round") == group.round and r.get("state") == "spare"]
+        if spares or not group_alive(client, keys, group.name, group.round):
             return None
     except EtcdError:
         return None
@@ -70,6 +75,7 @@ def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> b
     """Does ``group`` (of ``round_``) still train in place? Its round holds the run's fencing token, and a worker of
     its current epoch accepts a connection on its liveness port (a worker that exited refuses at once)."""
     from elasticd.worker.hot.liveness import Probe, probe  # not at the top: the package loads torch
+
     token = client.get(keys.lineage_token)
     if token is None or _round_of(token[0]) != str(round_):
         return False  # the run restarted cold since (or etcd lost its data)

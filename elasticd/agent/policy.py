@@ -40,6 +40,7 @@ class HangReport:
     attempt: int  # hangs in a row at this step, this one included
     path: str  # its diagnostics directory
     culprits: tuple[int, ...] = ()
+    culprit_nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,8 @@ class Observation:
     resize: bool = False
     # the workers waited to join a group in place that no longer trains that way: through the rendezvous instead
     rejoin: bool = False
+    # the hang's culprits are on other nodes and this node's workers re-form in place once those are killed
+    hang_elsewhere: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +109,9 @@ class SupervisorPolicy:
             # A new round re-establishes the run's keys and gives the workers a current token; like a membership
             # change it costs no restart, and no checkpoint first: it could not be committed.
             return Decision(Action.RESTART, reason="membership")
+        if obs.hang is not None and obs.hang_elsewhere and obs.hang.attempt < self.hang_attempts:
+            # the culprits' nodes kill them; this node's workers see their peers gone and re-form in place
+            return Decision(Action.CONTINUE, reason="hang_in_place")
         if obs.hang is not None:
             hang = obs.hang
             if hang.attempt >= self.hang_attempts:

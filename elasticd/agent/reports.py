@@ -26,6 +26,7 @@ class WorkerReports:
         self._local_ranks: set[int] = set()
         self._capable: set[int] = set()
         self._stacks: set[int] = set()  # registered the stack dump signal (SIGUSR1 is safe to send)
+        self._in_place: set[int] = set()  # armed hot recovery: re-forms its group in place when a peer is lost
         self._saved: dict[int, tuple[int, bool]] = {}  # local rank -> (step, committed)
         self._fatal: Fatal | None = None
         self.last_step: int | None = None
@@ -35,6 +36,7 @@ class WorkerReports:
             self._local_ranks = set(local_ranks)
             self._capable.clear()
             self._stacks.clear()
+            self._in_place.clear()
             self._saved.clear()
             self._fatal = None
 
@@ -48,6 +50,8 @@ class WorkerReports:
                     self._capable.add(local_rank)
                 if "stacks" in capabilities:
                     self._stacks.add(local_rank)
+                if "in_place" in capabilities:
+                    self._in_place.add(local_rank)
             elif kind == "checkpoint_saved" and beat.get("requested"):
                 self._saved[local_rank] = (int(beat.get("step", 0)), beat.get("committed") is not False)
             elif kind == "fatal" and self._fatal is None:
@@ -60,6 +64,11 @@ class WorkerReports:
     def all_capable(self) -> bool:
         with self._lock:
             return bool(self._local_ranks) and self._local_ranks <= self._capable
+
+    def all_in_place(self) -> bool:
+        """Every local worker armed hot recovery: a peer's loss is re-formed in place, not restarted."""
+        with self._lock:
+            return bool(self._local_ranks) and self._local_ranks <= self._in_place
 
     def can_dump_stacks(self) -> set[int]:
         with self._lock:

@@ -55,6 +55,9 @@ _MEMBERSHIP_TIMEOUT_S = 60
 _CONTROL_POLL_S = 1.0
 # Seconds between two etcd_unavailable warnings while etcd stays away.
 _ETCD_WARN_INTERVAL_S = 10.0
+# Seconds between telling the group of a hang whose culprits are here and killing them: the others abandon their
+# collective on the notice (they poll it every 20 ms) rather than on the reset, so they count a hang.
+_HANG_NOTICE_S = 0.1
 # Seconds between straggler checks, which also publish this node's per-rank own times and read the other nodes'.
 _STRAGGLER_POLL_S = 2.0
 
@@ -404,10 +407,18 @@ class ElasticdAgent(LocalElasticAgent):
                     hang=hang,
                     lineage_lost=lineage_lost,
                     resize=self._poll(partial(self.sizing.reform_needed, state, result.failures), False),
+                    hang_elsewhere=hang is not None
+                    and bool(hang.culprit_nodes)
+                    and self._node_id not in hang.culprit_nodes
+                    and self.reports.all_in_place(),
                     rejoin=bool(result.failures) and all(f.exitcode == EXIT_REJOIN for f in result.failures.values()),
                 )
             )
             if decision.action is Action.CONTINUE:
+                if decision.reason == "hang_in_place" and hang is not None and self.hangs is not None:
+                    watchdog = self.hangs.watchdog
+                    watchdog.excuse(self._clock() + watchdog.startup_s)
+                    self._log.info("hang_left_to_culprits", culprit_nodes=list(hang.culprit_nodes), step=hang.step)
                 continue
             self.graceful = decision.planned  # a second signal while we act ends the daemon at once
             if state is GroupState.FAILED:
@@ -415,6 +426,7 @@ class ElasticdAgent(LocalElasticAgent):
             if decision.planned and state is GroupState.HEALTHY:
                 self._checkpoint_first(worker_group, decision.reason)
             if hang is not None:
+                self._tell_group_of_hang(hang)
                 self._kill_local_workers()  # hung or stopped processes ignore torch's SIGTERM for its 30 s grace
             if decision.action is Action.RESTART:
                 # joining in place did not work out: next time through the rendezvous
@@ -470,6 +482,16 @@ class ElasticdAgent(LocalElasticAgent):
             started_at=self._workers_started_at,
             suspicion=suspicion,
         )
+
+    def _tell_group_of_hang(self, hang: HangReport) -> None:
+        """This node holds a culprit of a hang and its workers re-form in place: tell the group first, so that the
+        others abandon the collective they wait in (and count a hang, not a failure) before the kill resets it."""
+        membership = self._membership
+        if membership is None or self._node_id not in hang.culprit_nodes or not self.reports.all_in_place():
+            return
+        text = f"hang: {', '.join(hang.culprit_nodes)} stopped progressing"
+        if self._poll(lambda: membership.notify_group(text), False):
+            time.sleep(_HANG_NOTICE_S)
 
     def _kill_local_workers(self) -> None:
         """SIGKILL each worker's process group: a stopped or wedged process ignores the polite signals."""

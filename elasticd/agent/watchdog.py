@@ -117,12 +117,18 @@ class Watchdog:
         self._started_at = 0.0
         self._seen_step: dict[int, int] = {}
         self._local_ranks: tuple[int, ...] = ()
+        self._excused_until = 0.0
 
     def reset(self, local_ranks: tuple[int, ...], started_at: float) -> None:
         """A new worker generation started at ``started_at`` (monotonic); learned step times are kept."""
         self._local_ranks = local_ranks
         self._started_at = started_at
         self._seen_step.clear()
+
+    def excuse(self, until: float) -> None:
+        """No suspicion before ``until`` (monotonic): the workers wait for a hung peer elsewhere to be killed, then
+        re-form in place (their failed step moves them to a phase with the startup allowance)."""
+        self._excused_until = until
 
     @property
     def timeout_s(self) -> float | None:
@@ -134,6 +140,10 @@ class Watchdog:
 
     def check(self, now: float, slots: Mapping[int, Slot | None] | None = None) -> Suspicion | None:
         slots = self.slots() if slots is None else slots
+        if now < self._excused_until:
+            for rank, slot in slots.items():
+                self._learn(rank, slot)
+            return None
         hung: list[tuple[int, float, float]] = []
         entered = 0
         for rank, slot in slots.items():

@@ -154,7 +154,9 @@ class HotPath:
         run.log.warning("step_failed", step=run.state.step + 1, reason=failure.reason, epoch=self.session.epoch)
         run.slot.set_phase(Phase.LOADING)  # the hang watchdog allows the startup timeout for what follows
         try:
-            recovered = self.session.recover(failure, run.state, run.plan_for)
+            # a hang's culprit node tells the group before it kills its workers (agent/supervisor.py)
+            reason = "hang" if "notice: hang:" in failure.reason else "failure"
+            recovered = self.session.recover(failure, run.state, run.plan_for, reason)
         except HotFallback as exc:
             self._fall_back(exc.reason, str(exc))
         self._adopt(recovered)

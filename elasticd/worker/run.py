@@ -200,7 +200,11 @@ class Run:
         self.hot = HotPath.arm(self, model, optimizer, scheduler)
         self.coordinator.listen()
         # only now may the daemon send SIGUSR2 (its default action would kill this process), and SIGUSR1 for stacks
-        capabilities = ["checkpoint_request", *(["stacks"] if self.diagnostics else [])]
+        capabilities = [
+            "checkpoint_request",
+            *(["stacks"] if self.diagnostics else []),
+            *(["in_place"] if self.hot is not None else []),
+        ]
         self.beats.send("hello", capabilities=capabilities, pid=os.getpid())
         self.beats.send("resumed", step=self.state.step)
         self.slot.resumed(self.state.step)

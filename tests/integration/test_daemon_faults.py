@@ -80,7 +80,7 @@ def test_node_killed_survivors_reform_at_smaller_size_and_continue(etcd, tmp_pat
         assert c.last_step()["step"] == 80 and c.last_step()["world_size"] == 2  # type: ignore[index]
 
 
-def test_node_joining_while_training_grows_the_group(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_node_joining_while_training_grows_the_group_cold(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -91,6 +91,8 @@ def test_node_joining_while_training_grows_the_group(etcd, tmp_path: Path) -> No
         # nodes' round 0 trains at 0.25 s a step (110 steps after step 10: ~27 s), the joined round at full speed
         script_args=train_args(120),
         env={"ELASTICD_FAULT": "slow@round=0,seconds=0.2"},
+        # the cold path's join (a new round, a checkpoint first); in place: tests/integration/test_hot_join.py
+        extra=("--recovery", "cold"),
     ) as c:
         c.start("j-a"), c.start("j-b")
         c.wait_step(lambda s: s["step"] >= 10 and s["world_size"] == 2, what="step 10 on 2 workers")

@@ -44,6 +44,8 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd,
         # 0.2 s steps: the workers only need to be training when each round forms; faster steps would only take
         # CPU from the daemons and workers starting (the run ends by SIGTERM, not by its length)
         script_args=train_args(5000, 0.2),
+        # rounds that form while a member dies: the cold path's joins (in place, a join forms no round at all)
+        extra=("--recovery", "cold"),
     ) as c:
         names = iter(f"rc-{i}" for i in range(20))
         phase_of_node: dict[str, str] = {}
