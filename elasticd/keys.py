@@ -106,6 +106,15 @@ class RunKeys:
         return f"{self.membership_alive_prefix}{node_id}"
 
     @property
+    def membership_leaving_prefix(self) -> str:
+        return f"{self.prefix}membership/leaving/"
+
+    def membership_leaving(self, node_id: str) -> str:
+        """A node leaves on SIGTERM: its workers leave the group at a step boundary it agrees on (on the node's
+        liveness lease, so it is gone with the daemon)."""
+        return f"{self.membership_leaving_prefix}{node_id}"
+
+    @property
     def membership_group(self) -> str:
         """The group that trains in place now: its name, round and members' node ids (JSON, written by its rank 0).
         A node that starts while it trains joins it in place instead of entering the rendezvous."""

@@ -45,15 +45,19 @@ class Bid:
     member: str
     old_rank: int | None  # None: a joiner
     step: int  # the member's committed optimizer steps
+    leaving: bool = False  # its node leaves: accounted for, but not in the epoch
 
     def encode(self) -> bytes:
-        return json.dumps({"member": self.member, "old_rank": self.old_rank, "step": self.step}).encode()
+        data = {"member": self.member, "old_rank": self.old_rank, "step": self.step, "leaving": self.leaving}
+        return json.dumps(data).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Bid:
         data = json.loads(raw)
         rank = data.get("old_rank")
-        return cls(str(data["member"]), None if rank is None else int(rank), int(data["step"]))
+        return cls(
+            str(data["member"]), None if rank is None else int(rank), int(data["step"]), bool(data.get("leaving"))
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,7 @@ class Membership:
             bids = {m: b for m, b in bids.items() if m in previous or b.old_rank is None}
         if any(m not in bids and not is_dead(m) for m in previous):
             return None  # a live member has not bid yet: wait for it (or for its daemon to declare it dead)
+        bids = {m: b for m, b in bids.items() if not b.leaving}  # a leaver answered: it is not in the next epoch
         # a joiner that died after its bid would hold up the new group's formation: leave it out
         joiners = {m for m, b in bids.items() if b.old_rank is None and m not in previous}
         dead_joiners = {m for m in joiners if is_dead(m)}

@@ -21,7 +21,7 @@ from elasticd import __version__, envvars, rundir
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
-from elasticd.agent.joining import group_to_join
+from elasticd.agent.joining import group_nodes, group_to_join
 from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reaper import Reaper
@@ -86,6 +86,7 @@ def run_daemon(cfg: StartConfig) -> int:
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
+        lease: NodeLease | None = None
         if cfg.recovery == "hot":
             # the hot path's verdict on a vanished node: this key is gone about a second after we stop
             lease = NodeLease(client, keys, cfg.node_id, on_error=lambda e: log.warning("node_lease_failed", error=e))
@@ -193,6 +194,8 @@ def run_daemon(cfg: StartConfig) -> int:
                 if cfg.recovery == "hot"
                 else None
             ),
+            announce_leaving=lease.announce_leaving if lease is not None else None,
+            group_nodes=lambda: group_nodes(client, keys),
         )
         stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)

@@ -46,6 +46,9 @@ DIAGNOSTICS_DIR = "diagnostics"
 # below by the evidence gathering itself and above by CONFIRM_MAX_S): a slow step on a starved machine clears itself.
 CONFIRM_SHARE = 0.5
 CONFIRM_MAX_S = 2.0
+# Hangs are agreed per round and membership epoch (hot recovery re-forms the group in place, within one round): the
+# agreement's scope is round * EPOCH_SPAN + epoch.
+EPOCH_SPAN = 1_000_000
 
 
 class Liveness(Protocol):
@@ -88,6 +91,11 @@ class HangHandler:
         self._log = log
         self._clock = clock
         self._local_last = (-1, 0)  # (step, hangs in a row there) when etcd cannot count them
+        self.epoch = 0  # the membership epoch the local workers train in (hot recovery; 0 otherwise)
+
+    def _scope(self, round_: int) -> int:
+        """The agreement's key for a hang now: a group re-formed in place agrees on its next hang afresh."""
+        return round_ * EPOCH_SPAN + self.epoch
 
     def reset(self, local_ranks: tuple[int, ...], started_at: float) -> None:
         """Workers are about to start: forget the previous generation's slots so none is read as this one's."""
@@ -97,7 +105,7 @@ class HangHandler:
 
     def forget_rounds_before(self, round_: int) -> None:
         if self._agreement is not None:
-            self._agreement.forget_rounds_before(round_)
+            self._agreement.forget_rounds_before(round_ * EPOCH_SPAN)
 
     def check(self) -> Suspicion | None:
         suspicion = self.watchdog.check(self._clock())
@@ -120,7 +128,7 @@ class HangHandler:
     def peer_claim(self, round_: int) -> str | None:
         if self._agreement is None:
             return None
-        return self._agreement.claimed(round_)
+        return self._agreement.claimed(self._scope(round_))
 
     def handle(
         self,
@@ -206,7 +214,8 @@ class HangHandler:
         candidate = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-hang"
         name, owner = candidate, True
         if self._agreement is not None:
-            name, owner = self._safe(lambda: self._agreement.claim(round_, candidate), (candidate, True))  # type: ignore[union-attr]
+            scope = self._scope(round_)
+            name, owner = self._safe(lambda: self._agreement.claim(scope, candidate), (candidate, True))  # type: ignore[union-attr]
         path = self._run_dir / DIAGNOSTICS_DIR / name
         if self._write_down(scratch, path):
             log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
@@ -311,11 +320,12 @@ class HangHandler:
         agreement = self._agreement
         liveness = self._liveness
         hang = str(extra["hang"])
+        scope = self._scope(round_)
         if agreement is not None:
             try:
-                agreement.report(round_, evidence, hang)
+                agreement.report(scope, evidence, hang)
                 summary = agreement.decide(
-                    round_,
+                    scope,
                     members,
                     owner=owner,
                     extra=extra,
@@ -323,10 +333,10 @@ class HangHandler:
                     abort=lambda: bool(exited()),
                 )
                 if summary is None and owner:
-                    agreement.abandon(round_, hang, "a worker exited")
+                    agreement.abandon(scope, hang, "a worker exited")
                 elif summary is None:
                     # tell the owner our workers are gone, so it does not take them for hung
-                    agreement.report(round_, [replace(e, process_state=process_state(e.pid)) for e in evidence], hang)
+                    agreement.report(scope, [replace(e, process_state=process_state(e.pid)) for e in evidence], hang)
                 return summary
             except EtcdError as exc:
                 self._log().warning("etcd_unavailable", error=str(exc))

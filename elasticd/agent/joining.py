@@ -71,6 +71,17 @@ def group_to_join(
     return group
 
 
+def group_nodes(client: EtcdClient, keys: RunKeys) -> list[str] | None:
+    """The nodes of the group that trains in place now, as its rank 0 last published them (None: no such group)."""
+    found = client.get(keys.membership_group)
+    if found is None:
+        return None
+    try:
+        return [str(n) for n in json.loads(found[0])["nodes"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:
     """Does ``group`` (of ``round_``) still train in place? Its round holds the run's fencing token, and a worker of
     its current epoch accepts a connection on its liveness port (a worker that exited refuses at once)."""

@@ -29,6 +29,7 @@ class NodeLease:
         self, client: EtcdClient, keys: RunKeys, node_id: str, *, on_error: Callable[[str], None] = lambda _: None
     ) -> None:
         self._client = client
+        self._keys = keys
         self._key = keys.membership_alive(node_id)
         self._node_id = node_id
         self._on_error = on_error
@@ -55,6 +56,10 @@ class NodeLease:
                 self._renew()
             except EtcdError as exc:
                 self._on_error(str(exc))  # etcd away: the key expires, peers treat us as gone; retried next tick
+
+    def announce_leaving(self) -> None:
+        """Ask this node's workers' group to let them go at its next agreed step boundary (hot recovery)."""
+        self._client.put(self._keys.membership_leaving(self._node_id), self._node_id, lease_id=self._lease)
 
     def close(self) -> None:
         self._stop.set()

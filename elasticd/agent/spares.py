@@ -105,6 +105,10 @@ class Sizing:
         self.training: int | None = None  # nodes of the round that train (None before the first round)
         self.spare = False
 
+    @property
+    def min_nodes(self) -> int:
+        return self._min
+
     # -- the beat receiver's thread --------------------------------------------------------------------------------
 
     def on_beat(self, beat: dict[str, Any]) -> None:

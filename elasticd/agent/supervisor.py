@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any, TypeVar
 
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
@@ -84,6 +85,8 @@ class ElasticdAgent(LocalElasticAgent):
         sizing: Sizing | None = None,
         membership: Membership | None = None,
         join_finder: Callable[[], GroupToJoin | None] | None = None,
+        announce_leaving: Callable[[], None] | None = None,
+        group_nodes: Callable[[], list[str] | None] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -112,6 +115,9 @@ class ElasticdAgent(LocalElasticAgent):
         self._join_finder = join_finder  # hot recovery: a group that trains in place, for a starting node to join
         self.joining: GroupToJoin | None = None  # this round is private: its workers join that group in place
         self._through_rendezvous = False  # the next round comes from the rendezvous, not from joining in place
+        self._announce_leaving = announce_leaving  # hot recovery: this node's workers leave their group in place
+        self._group_nodes = group_nodes  # the nodes of the group that trains in place now (None: none does)
+        self._handled_hangs: set[str] = set()  # hangs (claim names) this node acted on: never twice
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
@@ -150,6 +156,8 @@ class ElasticdAgent(LocalElasticAgent):
                 members = self._exchange_node_ids(worker_group)
                 self.token = self._agree_token(worker_group)
                 self.regrouped_in_place = False
+                if self.hangs is not None:
+                    self.hangs.epoch = 0  # a new round agrees on its hangs afresh
                 break
             except RoundAbandonedError as exc:
                 # A member died (or left) before the round could start training: form the next one, as after
@@ -345,6 +353,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.sizing.on_beat(beat)
         if beat.get("kind") == "reconfigured":
             self.regrouped_in_place = True
+            if self.hangs is not None and isinstance(beat.get("epoch"), int):
+                self.hangs.epoch = beat["epoch"]  # the next hang is agreed afresh, in this epoch
             if beat.get("token"):
                 self.token = str(beat["token"])  # a joiner's workers were admitted: the epoch's token is theirs
 
@@ -376,13 +386,18 @@ class ElasticdAgent(LocalElasticAgent):
             if now >= next_control_poll:
                 drain = drain or self._poll(self._drain_requested, False)
                 lineage_lost = state is GroupState.HEALTHY and self._lineage_lost()
-                if self.hangs is not None and state is GroupState.HEALTHY:
-                    peer_hang = self._poll(lambda: self.hangs.peer_claim(self.round or 0), None) is not None  # type: ignore[union-attr]
+                # a node still waiting to join in place has no part in the group's hangs; a hang handled once is done
+                waiting_to_join = self.joining is not None and not self.regrouped_in_place
+                if self.hangs is not None and state is GroupState.HEALTHY and not waiting_to_join:
+                    claim = self._poll(lambda: self.hangs.peer_claim(self.round or 0), None)  # type: ignore[union-attr]
+                    peer_hang = claim is not None and claim not in self._handled_hangs
                 next_control_poll = now + _CONTROL_POLL_S
             if now >= next_straggler_poll and state is GroupState.HEALTHY:
                 self._check_stragglers(now)
                 next_straggler_poll = now + _STRAGGLER_POLL_S
             hang = self._on_hang(worker_group, suspicion) if suspicion is not None or peer_hang else None
+            if hang is not None and hang.path:
+                self._handled_hangs.add(Path(hang.path).name)
             if hang is not None and hang.attempt == 0:
                 # not a counted hang (a lost node, an evicted one): a worker that exited meanwhile is a failure
                 again = self._monitor_workers(worker_group)
@@ -423,7 +438,8 @@ class ElasticdAgent(LocalElasticAgent):
             self.graceful = decision.planned  # a second signal while we act ends the daemon at once
             if state is GroupState.FAILED:
                 self._log_failures(result)
-            if decision.planned and state is GroupState.HEALTHY:
+            left_in_place = decision.action is Action.LEAVE and self._leave_in_place(worker_group)
+            if decision.planned and state is GroupState.HEALTHY and not left_in_place:
                 self._checkpoint_first(worker_group, decision.reason)
             if hang is not None:
                 self._tell_group_of_hang(hang)
@@ -482,6 +498,30 @@ class ElasticdAgent(LocalElasticAgent):
             started_at=self._workers_started_at,
             suspicion=suspicion,
         )
+
+    def _leave_in_place(self, worker_group: WorkerGroup) -> bool:
+        """SIGTERM under hot recovery: this node's workers leave the group at a step boundary it agrees on, and the
+        others train on in place; no checkpoint first, nothing restarts. True when every local worker left (exit 0);
+        False (nothing asked, or they did not leave in time) keeps today's path: checkpoint, stop, leave."""
+        announce, group_nodes = self._announce_leaving, self._group_nodes
+        if announce is None or group_nodes is None or not self.reports.all_in_place():
+            return False
+        nodes = self._poll(group_nodes, None)
+        if not nodes or self._node_id not in nodes or len(nodes) - 1 < self.sizing.min_nodes:
+            return False  # not a member, or the rest would be too few: the cold path stops the group
+        if not self._poll(lambda: (announce(), True)[1], False):
+            return False
+        self._log.info("leaving_in_place", group_nodes=nodes)
+        deadline = self._clock() + self._checkpoint_timeout_s
+        while self._clock() < deadline:
+            state = _group_state(self._monitor_workers(worker_group).state)
+            if state is GroupState.SUCCEEDED:
+                return True
+            if state is GroupState.FAILED:
+                return False
+            time.sleep(0.05)
+        self._log.warning("leave_in_place_unanswered", timeout_s=self._checkpoint_timeout_s)
+        return False
 
     def _tell_group_of_hang(self, hang: HangReport) -> None:
         """This node holds a culprit of a hang and its workers re-form in place: tell the group first, so that the

@@ -32,7 +32,7 @@ REQUEST_SIGNAL = signal.SIGUSR2
 class SyncOutcome:
     checkpoint: bool = False
     requested: bool = False  # the daemon asked: after the save, park until the daemon stops the group
-    admit: bool = False  # joiners wait: every rank admits them at this step (hot recovery)
+    admit: bool = False  # joiners wait or a node leaves: every rank moves to a new epoch at this step (hot recovery)
 
 
 class Coordinator:
@@ -62,8 +62,8 @@ class Coordinator:
         self._pending: tuple[Any, torch.Tensor] | None = None  # the all-reduce started at the last sync point
         # Hot recovery sets it: a failed agreement is then a failed step (re-formed in place), not an exception.
         self.on_failure: Callable[[str], None] | None = None
-        # Hot recovery sets it: are there joiners the group could admit now (their bids fit the batch)?
-        self.wants_join: Callable[[], bool] | None = None
+        # Hot recovery sets it: does the group want a new epoch (joiners that fit the batch, a node that leaves)?
+        self.wants_change: Callable[[], bool] | None = None
 
     def listen(self) -> None:
         """Let the daemon ask for a checkpoint with ``SIGUSR2`` (main thread only, as Python requires)."""
@@ -83,7 +83,7 @@ class Coordinator:
         by_count = bool(self.every_steps) and step % self.every_steps == 0
         if step < self._next_sync:
             return SyncOutcome(checkpoint=by_count)
-        join = self.wants_join is not None and self.wants_join()
+        join = self.wants_change is not None and self.wants_change()
         time_due = bool(self.every_seconds) and self._clock() - self._last_checkpoint >= self.every_seconds
         if time_due:
             self._last_checkpoint = self._clock()  # scheduled: not due again while the agreement travels

@@ -30,7 +30,15 @@ from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
 from elasticd.worker.hot.errors import HotRecoveryError
-from elasticd.worker.hot.session import HotFallback, HotSession, Identity, Recovered, advertised_host, is_gloo_world
+from elasticd.worker.hot.session import (
+    HotFallback,
+    HotSession,
+    Identity,
+    LeftGroup,
+    Recovered,
+    advertised_host,
+    is_gloo_world,
+)
 
 if TYPE_CHECKING:
     from elasticd.worker.run import Run
@@ -92,7 +100,7 @@ class HotPath:
             client.close()
             return cls._unsupported(run, str(exc))
         run.coordinator.on_failure = session.hook.abort
-        run.coordinator.wants_join = lambda: session.joiners_fit(run.plan_for)
+        run.coordinator.wants_change = lambda: session.change_wanted(run.plan_for)
         run.log.info("hot_recovery_armed", member=identity.member, epoch=session.epoch, joining=joining)
         path = cls(run, session)
         if joining:
@@ -124,7 +132,8 @@ class HotPath:
         self._adopt(recovered)
 
     def admit(self) -> None:
-        """At the step boundary every member agreed on: admit the joiners waiting (heal them from rank 0)."""
+        """At the step boundary every member agreed on: admit the joiners waiting (heal them from rank 0), let the
+        members of a leaving node go."""
         run = self.run
         at = time.monotonic()
         run.slot.set_phase(Phase.LOADING)
@@ -132,6 +141,10 @@ class HotPath:
             recovered = self.session.admit(run.state, run.plan_for, at)
         except HotFallback as exc:
             self._fall_back(exc.reason, str(exc))
+        except LeftGroup as exc:
+            run.log.info("left_in_place", step=run.state.step, message=str(exc))
+            run.saver.wait()  # this rank's own write and commit: nothing sealed is lost
+            self._exit(0)
         self._adopt(recovered, planned=True)
 
     @staticmethod

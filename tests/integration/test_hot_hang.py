@@ -45,10 +45,12 @@ def test_a_hung_rank_is_killed_on_its_node_and_the_others_reform_in_place(etcd, 
             assert node.events("hang_left_to_culprits"), c.diagnostics()
             assert not node.events("restart"), f"{name} restarted its workers\n{c.diagnostics()}"
             assert set(node.worker_pids()) == set(pids[name])
-            reasons = [(e["reason"], e["world_size"]) for e in node.events("reconfigured")]
+            daemon_events = [e for e in node.events("reconfigured") if "node_id" in e]  # not the worker's own line
+            reasons = [(e["reason"], e["world_size"]) for e in daemon_events]
             assert reasons[:1] == [("hang", 2)] and ("join", 3) in reasons, (reasons, c.diagnostics())
         victim = c.nodes[culprit[0]]
         assert [e["reason"] for e in victim.events("restart")] == ["hang"], victim.tail(60)
+        assert len(victim.events("hang_diagnosed")) == 1, victim.tail(60)  # acted on once
         assert victim.events("joining_in_place"), victim.tail(60)
         steps: dict[int, list[dict]] = {}  # type: ignore[type-arg]
         for step in c.all_steps():

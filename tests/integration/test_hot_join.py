@@ -8,6 +8,7 @@ round and no checkpoint comes first, no step is lost or repeated, and the run en
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,7 @@ def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost
         for name in ("hw-0", "hw-2"):
             node = c.nodes[name]
             assert not node.events("restart"), f"{name} restarted its workers\n{c.diagnostics()}"
-            events = node.events("reconfigured")
+            events = [e for e in node.events("reconfigured") if "node_id" in e]
             assert [(e["reason"], e["world_size"]) for e in events] == [("failure", 2)], c.diagnostics()
         assert _done_pids(spare) <= set(spare_pids)  # the spare's worker of before the loss finished the run
         steps: dict[int, list[dict]] = {}  # type: ignore[type-arg]
@@ -96,3 +97,42 @@ def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost
             steps.setdefault(step["step"], []).append(step)
         assert all(len(v) == 1 for v in steps.values())
         assert max(steps) == 300 and {s[0]["world_size"] for s in steps.values()} == {2}
+
+
+def test_a_node_stopped_by_sigterm_leaves_in_place_and_the_others_train_on(  # type: ignore[no-untyped-def]
+    etcd, tmp_path: Path
+) -> None:
+    names = ["hl-0", "hl-1", "hl-2"]
+    with Cluster(
+        etcd.endpoint, tmp_path, run_id="hotleave", min_nodes=2, max_nodes=3, script_args=train_args(300)
+    ) as c:
+        for name in names:
+            c.start(name)
+        c.wait_step(lambda s: s["step"] >= 10 and s["world_size"] == 3, what="step 10 on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
+        leaver = next(n for n, r in ranks.items() if r == 0)  # the node of rank 0, which commits checkpoints
+        stayers = [n for n in names if n != leaver]
+        pids = {n: c.nodes[n].worker_pids() for n in stayers}
+        c.nodes[leaver].proc.send_signal(signal.SIGTERM)
+        assert c.nodes[leaver].wait(60) == 0, c.diagnostics()
+        c.wait_step(lambda s: s["world_size"] == 2, timeout_s=30, what="a step on 2 workers")
+        for name in stayers:
+            assert c.nodes[name].wait(150) == 0, c.diagnostics()
+        wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")
+        assert c.nodes[leaver].events("leaving_in_place") and c.nodes[leaver].events("left_in_place")
+        for name in names:
+            assert not c.nodes[name].events("checkpoint_requested"), c.diagnostics()  # a leave in place saves nothing
+        for name in stayers:
+            node = c.nodes[name]
+            assert not node.events("restart"), f"{name} restarted its workers\n{c.diagnostics()}"
+            assert _done_pids(node) <= set(pids[name])
+            event = node.wait_event("reconfigured", timeout_s=5)
+            assert event["reason"] == "leave" and event["world_size"] == 2 and event["lost_steps"] == 0
+        steps: dict[int, list[dict]] = {}  # type: ignore[type-arg]
+        for step in c.all_steps():
+            steps.setdefault(step["step"], []).append(step)
+        # the leaver (rank 0) left inside run.step() of the boundary step: completed, counted, never printed
+        left_at = c.nodes[leaver].events("left_in_place")[0]["step"]
+        assert sorted(set(steps) | {left_at}) == list(range(1, 301)), sorted(steps)
+        assert all(len(v) == 1 for v in steps.values())
+        assert min(s for s, v in steps.items() if v[0]["world_size"] == 2) == left_at + 1

@@ -64,6 +64,10 @@ FORM_TIMEOUT = timedelta(seconds=15)
 _JOIN_POLL_S = 1.0
 
 
+class LeftGroup(Exception):
+    """This member's node leaves on SIGTERM and the group went on without it, at an agreed step boundary."""
+
+
 class HotFallback(HotRecoveryError):
     """Recovery in place is over for this run's group: exit for a cold restart. ``reason`` labels the metric."""
 
@@ -175,8 +179,12 @@ class HotSession:
         record = {"group": self.group, "round": self.identity.round, "nodes": sorted(nodes)}
         self.client.put(self.keys.membership_group, json.dumps(record))
 
-    def joiners_fit(self, plan_for: Callable[[int], BatchPlan | None]) -> bool:
-        """Are workers waiting to join, and does the global batch split over the group with them? (any rank)"""
+    def change_wanted(self, plan_for: Callable[[int], BatchPlan | None]) -> bool:
+        """Does the group want to move to a new epoch at an agreed step boundary (any rank may say so)? A member's
+        node leaves (and enough stay), or workers wait to join and the global batch splits over the group with them.
+        """
+        if self.watch.leaving():
+            return True
         waiting = self.watch.joiners()
         if not waiting:
             return False
@@ -208,9 +216,16 @@ class HotSession:
         """At the step boundary the group agreed on: move to the next epoch with the joiners (every member calls it).
 
         ``detected_at``: when this member saw the group agree (the stall is measured from it)."""
+        leavers = self.watch.leaving()
+        leaving = self.identity.node_id in leavers
         try:
-            self.membership.bid(self.epoch + 1, Bid(self.identity.member, self.rank, state.step))
-            return self._move(self._decide(self.epoch + 1, "join", plan_for), state, plan_for, detected_at)
+            self.membership.bid(self.epoch + 1, Bid(self.identity.member, self.rank, state.step, leaving))
+            decision = self._decide(self.epoch + 1, "leave" if leavers else "join", plan_for)
+            if leaving and decision.rank_of(self.identity.member) is None:
+                raise LeftGroup(f"epoch {decision.number} went on without this node, which leaves")
+            return self._move(decision, state, plan_for, detected_at)
+        except LeftGroup:
+            raise
         except Exception as exc:
             raise self._fallback(exc) from None
 

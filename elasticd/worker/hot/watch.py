@@ -11,7 +11,9 @@ never otherwise) from memory:
   one-second lease (``agent/node_lease.py``).
 
 It also counts the joiners that bid for the next epoch (:meth:`FailureWatch.joiners`): warm workers of a node that
-asks to be admitted, which the group lets in at a step boundary it agrees on (``elasticd/worker/coordination.py``).
+asks to be admitted, which the group lets in at a step boundary it agrees on (``elasticd/worker/coordination.py``);
+and the members' nodes that leave on SIGTERM (``membership/leaving/<node>``, :meth:`FailureWatch.leaving`), whose
+workers leave the same way.
 
 A healthy step costs nothing here: the watch wakes only when a key under ``membership/`` changes, and lease
 refreshes change no key.
@@ -44,6 +46,7 @@ class FailureWatch:
         self._nodes: frozenset[str] = frozenset()
         self._reason: str | None = None
         self._joiners = 0
+        self._leaving: frozenset[str] = frozenset()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,6 +54,7 @@ class FailureWatch:
         """Watch ``epoch`` (whose members run on ``nodes``) from now on; forgets the previous epoch's verdict."""
         with self._lock:
             self._epoch, self._nodes, self._reason, self._joiners = epoch, frozenset(nodes), None, 0
+            self._leaving = frozenset()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elasticd-hot-watch", daemon=True)
             self._thread.start()
@@ -63,6 +67,11 @@ class FailureWatch:
         """Workers that asked to join the next epoch (bid with no old rank), as last seen."""
         with self._lock:
             return self._joiners
+
+    def leaving(self) -> frozenset[str]:
+        """Nodes of the current members that asked to leave, as last seen."""
+        with self._lock:
+            return self._leaving
 
     def close(self) -> None:
         self._stop.set()
@@ -88,8 +97,10 @@ class FailureWatch:
                 reason = f"node liveness lease gone: {', '.join(gone)}"
         bids = self._client.get_prefix(self._keys.membership_bids_prefix(epoch + 1))
         joiners = sum(1 for _, raw, _ in bids if Bid.decode(raw).old_rank is None)
+        leaving = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_leaving_prefix)}
         with self._lock:
             if self._epoch == epoch:
                 self._joiners = joiners
+                self._leaving = frozenset(leaving & nodes)
                 if reason is not None:
                     self._reason = reason
