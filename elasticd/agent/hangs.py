@@ -54,7 +54,7 @@ EPOCH_SPAN = 1_000_000
 class Liveness(Protocol):
     """Who of a round is still there (``liveness.RoundLiveness``)."""
 
-    def lost(self, round_: int, members: Sequence[str]) -> dict[str, str]: ...
+    def lost(self, round_: int, members: Sequence[str], *, rendezvous: bool = True) -> dict[str, str]: ...
 
     def evicted(self, round_: int) -> str | None: ...
 
@@ -92,6 +92,9 @@ class HangHandler:
         self._clock = clock
         self._local_last = (-1, 0)  # (step, hangs in a row there) when etcd cannot count them
         self.epoch = 0  # the membership epoch the local workers train in (hot recovery; 0 otherwise)
+        # the group re-formed in place since its round began: the rendezvous no longer says who is in it (members
+        # come from the epoch, liveness from the registry alone, and "evicted from the round" means nothing)
+        self.in_place = False
 
     def _scope(self, round_: int) -> int:
         """The agreement's key for a hang now: a group re-formed in place agrees on its next hang afresh."""
@@ -202,7 +205,9 @@ class HangHandler:
             log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
             return None
         liveness = self._liveness
-        stale = self._safe(lambda: liveness.evicted(round_), None) if liveness is not None else None
+        stale = (
+            self._safe(lambda: liveness.evicted(round_), None) if liveness is not None and not self.in_place else None
+        )
         if stale is not None:
             # stopped and evicted: the run went on without us; rejoin, and report nothing that could count
             if scratch is not None:
@@ -329,7 +334,11 @@ class HangHandler:
                     members,
                     owner=owner,
                     extra=extra,
-                    lost=(lambda: liveness.lost(round_, members)) if liveness is not None else dict,
+                    lost=(
+                        (lambda: liveness.lost(round_, members, rendezvous=not self.in_place))
+                        if liveness is not None
+                        else dict
+                    ),
                     abort=lambda: bool(exited()),
                 )
                 if summary is None and owner:

@@ -153,9 +153,10 @@ class RoundLiveness:
                 self._cached_at = now
             return self._cached
 
-    def lost(self, round_: int, members: Sequence[str]) -> dict[str, str]:
+    def lost(self, round_: int, members: Sequence[str], *, rendezvous: bool = True) -> dict[str, str]:
+        """``rendezvous=False``: the registry alone (a group re-formed in place is not the round's participants)."""
         view, records = self._read()
-        return lost_members(round_, members, view, records)
+        return lost_members(round_, members, view if rendezvous else None, records)
 
     def evicted(self, round_: int) -> str | None:
         view, records = self._read()

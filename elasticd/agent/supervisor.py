@@ -157,7 +157,7 @@ class ElasticdAgent(LocalElasticAgent):
                 self.token = self._agree_token(worker_group)
                 self.regrouped_in_place = False
                 if self.hangs is not None:
-                    self.hangs.epoch = 0  # a new round agrees on its hangs afresh
+                    self.hangs.epoch, self.hangs.in_place = 0, False  # a new round agrees on its hangs afresh
                 break
             except RoundAbandonedError as exc:
                 # A member died (or left) before the round could start training: form the next one, as after
@@ -353,8 +353,11 @@ class ElasticdAgent(LocalElasticAgent):
         self.sizing.on_beat(beat)
         if beat.get("kind") == "reconfigured":
             self.regrouped_in_place = True
+            if isinstance(beat.get("node_ids"), list) and beat["node_ids"]:
+                self._members = [str(n) for n in beat["node_ids"]]  # the group's nodes now, not the round's
             if self.hangs is not None and isinstance(beat.get("epoch"), int):
                 self.hangs.epoch = beat["epoch"]  # the next hang is agreed afresh, in this epoch
+                self.hangs.in_place = True  # the round's rendezvous no longer says who is in the group
             if beat.get("token"):
                 self.token = str(beat["token"])  # a joiner's workers were admitted: the epoch's token is theirs
 
@@ -491,7 +494,8 @@ class ElasticdAgent(LocalElasticAgent):
         pids = dict(pcontext.pids()) if pcontext is not None else {}
         return self.hangs.handle(
             round_=self.round or 0,
-            members=self.sizing.training_members(self._members),
+            # in place, the group's nodes as its last epoch named them; otherwise the round's that train
+            members=list(self._members) if self.regrouped_in_place else self.sizing.training_members(self._members),
             pids=pids,
             ranks={w.local_rank: w.global_rank for w in worker_group.workers},
             can_dump=self.reports.can_dump_stacks(),

@@ -195,6 +195,7 @@ class HotPath:
             "lost_steps": 0,
             "token": recovered.epoch.token,
             "lost_nodes": list(recovered.lost_nodes),
+            "node_ids": list(recovered.nodes),
             "detected_at": recovered.detected_at,
         }
         run.log.warning(

@@ -1,64 +1,131 @@
-"""Invariance: the same deterministic job, undisturbed on 4 workers or taken through kill → 3 → join → 4, ends with
-the same parameters (within 1e-5 relative: only the order of floating-point sums differs between world sizes)."""
+"""Invariance in place: the same deterministic job, undisturbed on 4 workers or taken through kill -> join -> hang ->
+SIGTERM with recovery in place (the default), ends with the same parameters (within 1e-5 relative: only the order of
+floating-point sums differs between world sizes), every sample of every epoch trained exactly once and the LR of
+every step that of the schedule. And nothing restarts but the hung worker's node.
+
+The disturbed run, 4 nodes of one worker each (``--min-nodes 2``):
+
+1. kill -9 of the node of group rank 1: the other three re-form in place (4 -> 3);
+2. a new node starts and joins in place, healed from a live peer (3 -> 4);
+3. the worker of the node of group rank 3 is SIGSTOPped: the others wait in their all-reduce, the nodes agree on the
+   hang, its node tells the group and kills it, the others re-form in place (4 -> 3), and its node comes back with a
+   fresh worker that joins in place (3 -> 4);
+4. SIGTERM to the node of group rank 2: its worker leaves at an agreed step boundary (4 -> 3), and the run ends.
+"""
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.cluster import Cluster, train_args
+from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, train_args, wait_until
+from tests.integration.test_worker_library import effective_ids, expected_lr
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
-STEPS = 80
+STEPS = 300  # 30 epochs of 10 steps; ~0.1 s a step here: long enough for two joins (5-10 s each to import)
 REL_TOL = 1e-5
-SLOW_UNTIL_JOIN = "slow@round=0,seconds=0.28;slow@round=1,seconds=0.28"
+DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH = 480, 48, 10
 
 
-def final_weights(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
+def _daemon_events(node: Node, name: str) -> list[dict]:  # type: ignore[type-arg]
+    return [e for e in node.events(name) if "node_id" in e]  # the daemon's line, not the worker's own
+
+
+def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
     workdir.mkdir()
-    out = workdir / "final.pt"
+    out, record = workdir / "final.pt", workdir / "ids.jsonl"
     names = [f"iv-{'d' if disturb else 'u'}{i}" for i in range(4)]
     with Cluster(
         etcd,
         workdir,
         run_id="disturbed" if disturb else "undisturbed",
-        min_nodes=3,
+        min_nodes=2,
         max_nodes=4,
-        script_args=(*train_args(STEPS, 0.02), "--save-final", str(out)),
-        # The disturbed run trains slowly (0.3 s a step) until the join, so that a node joins while three workers
-        # train: round 0 (4 workers, killed at step 13+) and round 1 (3 workers). Round 2, after the join, needs no
-        # wait for anything and trains at full speed. A sleep changes no arithmetic.
-        env={"ELASTICD_FAULT": SLOW_UNTIL_JOIN} if disturb else None,
+        script_args=(*train_args(STEPS, 0.03), "--save-final", str(out), "--record-ids", str(record)),
+        extra=("--hang-timeout", "2"),
     ) as c:
         for name in names:
             c.start(name)
-        c.wait_step(lambda s: s["world_size"] == 4 and s["step"] >= 3, what="4 workers")
+        c.wait_step(lambda s: s["world_size"] == 4 and s["step"] >= 10, timeout_s=120, what="4 workers at step 10")
         alive = list(names)
         if disturb:
-            c.wait_step(lambda s: s["step"] >= 13, what="step 13")
-            c.nodes[names[1]].kill()  # 4 -> 3, losing the steps since the checkpoint of step 10
-            alive.remove(names[1])
-            c.wait_step(lambda s: s["world_size"] == 3, timeout_s=60, what="3 workers")
-            c.start("iv-joiner")  # 3 -> 4
+            ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
+            by_rank = {r: n for n, r in ranks.items()}
+            pids = {n: c.nodes[n].worker_pids() for n in names}
+            c.nodes[by_rank[1]].kill()  # 1. 4 -> 3
+            alive.remove(by_rank[1])
+            c.wait_step(lambda s: s["world_size"] == 3, timeout_s=60, what="3 workers after the kill")
+            c.start("iv-joiner")  # 2. 3 -> 4
             alive.append("iv-joiner")
-            c.wait_step(lambda s: s["world_size"] == 4 and s["step"] > 13, timeout_s=90, what="4 workers again")
+            c.wait_step(lambda s: s["world_size"] == 4 and s["step"] > 12, timeout_s=90, what="4 workers again")
+            # 3. a hang: the culprit's node kills its worker, and comes back and joins
+            hung = c.nodes[by_rank[3]]
+            os.kill(hung.worker_pids()[-1], signal.SIGSTOP)
+            diagnosed = hung.wait_event("hang_diagnosed", timeout_s=120)
+            hung.wait_event("joining_in_place", timeout_s=60)
+            c.wait_step(
+                lambda s: s["world_size"] == 4 and s["step"] > diagnosed["step"], timeout_s=90, what="back at 4"
+            )
+            leaver = c.nodes[by_rank[2]]  # 4. 4 -> 3
+            leaver.proc.send_signal(signal.SIGTERM)
+            assert leaver.wait(60) == 0, c.diagnostics()
+            alive.remove(leaver.name)
         for name in alive:
             assert c.nodes[name].wait(240) == 0, c.diagnostics()
-        sizes = {s["world_size"] for s in c.all_steps()}
-        assert sizes == ({3, 4} if disturb else {4})
-    return torch.load(out)
+        wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")
+
+        steps = c.all_steps()
+        numbers = [s["step"] for s in steps]
+        assert sorted(numbers) == list(range(1, STEPS + 1)), "a step printed twice or never"
+        for s in steps:
+            assert s["world_size"] * s["accumulation"] * 4 == GLOBAL_BATCH  # micro 4: the global batch holds
+            assert s["lr"] == pytest.approx(expected_lr(s["step"]), rel=1e-9)
+        ids = effective_ids(record)
+        assert sorted(ids) == list(range(1, STEPS + 1))
+        for epoch in range(STEPS // STEPS_PER_EPOCH):
+            seen = [i for s in range(epoch * 10 + 1, epoch * 10 + 11) for i in ids[s]]
+            assert sorted(seen) == list(range(DATASET)), f"epoch {epoch}: samples skipped or repeated"
+        if disturb:
+            assert {s["world_size"] for s in steps} == {3, 4}
+            _check_nothing_restarted_but_the_hung_node(c, by_rank, pids, diagnosed, leaver)
+    return torch.load(out)  # type: ignore[no-any-return]
 
 
-def test_disturbed_run_ends_with_the_parameters_of_the_undisturbed_one(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    reference = final_weights(etcd.endpoint, tmp_path / "undisturbed", disturb=False)
-    disturbed = final_weights(etcd.endpoint, tmp_path / "disturbed", disturb=True)
+def _check_nothing_restarted_but_the_hung_node(  # type: ignore[no-untyped-def]
+    c: Cluster, by_rank: dict[int, str], pids: dict[str, list[int]], diagnosed: dict, leaver: Node
+) -> None:
+    hung = c.nodes[by_rank[3]]
+    assert diagnosed["culprit_nodes"] == [hung.name], diagnosed
+    assert [e["reason"] for e in hung.events("restart")] == ["hang"], hung.tail(60)
+    assert len(hung.events("hang_diagnosed")) == 1, hung.tail(60)  # acted on once
+    for name in (by_rank[0], by_rank[2], "iv-joiner"):
+        node = c.nodes[name]
+        assert not node.events("restart"), f"{name} restarted its workers\n{c.diagnostics()}"
+        assert not node.events("checkpoint_requested"), f"{name}: a change in place takes no checkpoint first"
+    for name in (by_rank[0], by_rank[2]):
+        done = {int(e["pid"]) for e in read_json_lines(c.nodes[name].out) if e.get("event") == "done"}
+        assert done <= set(pids[name])  # the same worker processes from the first step to the last
+    reasons = [e["reason"] for e in _daemon_events(c.nodes[by_rank[0]], "reconfigured")]
+    assert reasons == ["failure", "join", "hang", "join", "leave"], (reasons, c.diagnostics())
+    assert c.nodes[by_rank[0]].events("hang_left_to_culprits")
+    assert leaver.events("leaving_in_place") and leaver.events("left_in_place")
+    assert all(e["lost_steps"] == 0 for e in _daemon_events(c.nodes[by_rank[0]], "reconfigured"))
+
+
+def test_kill_join_hang_and_sigterm_in_place_end_with_the_parameters_of_an_undisturbed_run(  # type: ignore[no-untyped-def]
+    etcd, tmp_path: Path
+) -> None:
+    reference = _run(etcd.endpoint, tmp_path / "undisturbed", disturb=False)
+    disturbed = _run(etcd.endpoint, tmp_path / "disturbed", disturb=True)
     assert reference.keys() == disturbed.keys()
     worst = 0.0
     for name, ref in reference.items():
         rel = ((disturbed[name] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
         worst = max(worst, rel)
-    print(f"largest relative parameter difference: {worst:.3e}")
+    print(f"kill, join, hang, SIGTERM in place against undisturbed: largest relative parameter difference {worst:.3e}")
     assert worst <= REL_TOL

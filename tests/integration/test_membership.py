@@ -143,3 +143,38 @@ def test_a_bid_left_by_an_earlier_group_for_the_same_epoch_is_no_member(etcd_cli
     m.bid(2, Bid(B, 1, 5))
     decided = m.try_decide(2, (A, B, C), {C}.__contains__, min_members=2, round_=1, reason="failure")
     assert decided is not None and decided.members == (A, B) and decided.source == A
+
+
+def test_joiners_are_admitted_all_together_only_when_the_batch_fits_and_never_when_dead(
+    etcd_client: EtcdClient,
+) -> None:
+    m = Membership(etcd_client, KEYS)
+    _first_epoch(m)  # A, B, C
+    for member, rank in ((A, 0), (B, 1), (C, 2)):
+        m.bid(2, Bid(member, rank, 30))
+    m.bid(2, Bid(D, None, 0))
+    m.bid(2, Bid("node-e", None, 0))
+    # 5 workers do not split the batch: both joiners wait (warm) for a later epoch
+    fits_even = lambda world: world % 2 == 0  # noqa: E731
+    kept = m.try_decide(2, (A, B, C), lambda _: False, min_members=2, round_=1, reason="join", fits=lambda w: w == 3)
+    assert kept is not None and set(kept.members) == {A, B, C}
+    # a dead joiner is left out; the live one is admitted when the world it makes fits
+    for member, rank in ((A, 0), (B, 1), (C, 2)):
+        m.bid(3, Bid(member, rank, 31))
+    m.bid(3, Bid(D, None, 0))
+    m.bid(3, Bid("node-e", None, 0))
+    grown = m.try_decide(3, (A, B, C), {"node-e"}.__contains__, min_members=2, round_=1, reason="join", fits=fits_even)
+    assert grown is not None and grown.members == (A, B, C, D) and grown.source == A
+
+
+def test_a_leaving_member_is_accounted_for_but_not_in_the_next_epoch(etcd_client: EtcdClient) -> None:
+    m = Membership(etcd_client, KEYS)
+    _first_epoch(m)
+    m.bid(2, Bid(A, 0, 12))
+    m.bid(2, Bid(C, 2, 12))
+    # B is alive and has not answered: no decision
+    assert m.try_decide(2, (A, B, C), lambda _: False, min_members=2, round_=1, reason="leave") is None
+    m.bid(2, Bid(B, 1, 12, leaving=True))
+    decided = m.try_decide(2, (A, B, C), lambda _: False, min_members=2, round_=1, reason="leave")
+    assert decided is not None and decided.members == (A, C) and decided.reason == "leave"
+    assert Bid.decode(Bid(B, 1, 12, leaving=True).encode()).leaving

@@ -27,7 +27,7 @@ class Events:
 
 
 class Evicted:
-    def lost(self, round_: int, members: Sequence[str]) -> dict[str, str]:
+    def lost(self, round_: int, members: Sequence[str], *, rendezvous: bool = True) -> dict[str, str]:
         return {}
 
     def evicted(self, round_: int) -> str | None:

@@ -99,3 +99,21 @@ def test_a_resize_restarts_for_free_and_plans_a_checkpoint_only_while_workers_ru
 def test_a_drain_or_a_fatal_report_wins_over_a_resize() -> None:
     assert policy.decide(Observation(GroupState.HEALTHY, resize=True, drain_requested=True)).action is Action.DRAIN
     assert policy.decide(Observation(GroupState.FAILED, resize=True, fatal_message="x")).action is Action.STOP
+
+
+def test_a_hang_whose_culprits_are_elsewhere_leaves_this_node_training_in_place() -> None:
+    hang = HangReport(step=40, attempt=1, path="/d", culprits=(2,), culprit_nodes=("n2",))
+    decision = SupervisorPolicy().decide(
+        Observation(GroupState.HEALTHY, restarts_left=3, hang=hang, hang_elsewhere=True)
+    )
+    assert decision.action is Action.CONTINUE and decision.reason == "hang_in_place"
+    # the culprit's own node (hang_elsewhere False) restarts as before, and a repeated hang stops everywhere
+    assert SupervisorPolicy().decide(Observation(GroupState.HEALTHY, restarts_left=3, hang=hang)).reason == "hang"
+    again = HangReport(step=40, attempt=3, path="/d", culprits=(2,), culprit_nodes=("n2",))
+    stopped = SupervisorPolicy(hang_attempts=3).decide(Observation(GroupState.HEALTHY, hang=again, hang_elsewhere=True))
+    assert stopped.action is Action.STOP
+
+
+def test_workers_that_gave_up_joining_in_place_rejoin_through_the_rendezvous_for_free() -> None:
+    decision = SupervisorPolicy().decide(Observation(GroupState.FAILED, restarts_left=0, rejoin=True))
+    assert decision.action is Action.RESTART and decision.reason == "membership" and not decision.counts_as_restart

@@ -88,6 +88,7 @@ class Recovered:
     heal_bytes: int
     detected_at: float  # time.monotonic() of the failure
     lost_nodes: tuple[str, ...] = ()  # nodes none of whose members is in the new epoch
+    nodes: tuple[str, ...] = ()  # the nodes of the new epoch's members (sorted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,7 +311,9 @@ class HotSession:
         if rank == 0:
             self.membership.forget(target - 1)
             self._publish_group(nodes)
-        return Recovered(decision, rank, world, healed, plan, report.payload_bytes, detected_at, lost_nodes)
+        return Recovered(
+            decision, rank, world, healed, plan, report.payload_bytes, detected_at, lost_nodes, tuple(sorted(nodes))
+        )
 
     def _decide(self, target: int, reason: str, plan_for: Callable[[int], BatchPlan | None] | None = None) -> Epoch:
         deadline = self._clock() + DECIDE_TIMEOUT_S
