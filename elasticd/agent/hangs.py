@@ -238,6 +238,11 @@ class HangHandler:
                 path.rmdir()  # only when no other node's evidence is in it
             self._abandon(log, exited(), step)
             return None
+        if self._moved_on_since(fired_at):
+            # Every local worker made progress while the nodes agreed: the group got past it by itself (in place,
+            # a vanished node's lease expired and the others re-formed without it). Nothing to act on here.
+            log.info("hang_cleared", step=step, reason="the workers made progress while the nodes agreed")
+            return None
         if owner:
             try:
                 (path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -260,6 +265,10 @@ class HangHandler:
             culprits=tuple(summary["culprit_ranks"]),
             culprit_nodes=tuple(summary["culprit_nodes"]),
         )
+
+    def _moved_on_since(self, fired_at: float) -> bool:
+        slots = self.watchdog.slots()
+        return bool(slots) and all(slot is not None and slot.progress_t > fired_at for slot in slots.values())
 
     def _abandon(self, log: Any, exited: list[int], step: int | None) -> None:
         """A local worker exited: a failure, which torch's monitor reports at its next poll (restart ``failure``)."""

@@ -125,6 +125,7 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
             from elasticd.agent.joining import private_round
 
             self._completed_round, self._private_round = self._private_round, None
+            self._round_watch = None  # no round of the rendezvous forms here: none of its members can be lost
             return private_round(self._this_node.addr)
         # torch reads this inside next_rendezvous. Sharing round 1's TCPStore with the workers breaks recovery
         # when the node hosting it dies: every later round points at the dead host (pytorch issue #135712).

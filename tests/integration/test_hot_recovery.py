@@ -89,7 +89,8 @@ def test_vanished_node_is_declared_dead_by_its_lease_and_never_trains_or_commits
     out of the epoch (its fence was replaced in the decision's transaction): it commits nothing and goes away."""
     names = ["hs-0", "hs-1", "hs-2"]
     keys = RunKeys("hotstop")
-    with Cluster(etcd.endpoint, tmp_path, run_id="hotstop", min_nodes=2, max_nodes=3, script_args=train_args(80)) as c:
+    # long enough for the woken node to come back as a joiner (its workers import again: 5-10 s here)
+    with Cluster(etcd.endpoint, tmp_path, run_id="hotstop", min_nodes=2, max_nodes=3, script_args=train_args(300)) as c:
         for name in names:
             c.start(name)
         c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, what="step 12 on 3 workers")
@@ -126,3 +127,9 @@ def test_vanished_node_is_declared_dead_by_its_lease_and_never_trains_or_commits
         lost = [e for e in victim.events("lineage_lost")]
         assert stale or lost, victim.tail(80)
         print(f"stale node out {min(_stamp(e) for e in stale + lost) - resumed_at:.2f}s after SIGCONT")
+        # and came back as a joiner, admitted in place (healed from a live peer), not through a new round
+        assert victim.events("joining_in_place"), victim.tail(80)
+        joined = [e for e in victim.events("reconfigured") if "node_id" in e and e["reason"] == "join"]
+        assert joined and joined[-1]["world_size"] == 3, victim.tail(80)
+        for name in survivors:
+            assert not c.nodes[name].events("restart"), c.diagnostics()

@@ -105,6 +105,8 @@ def test_three_two_four_three_sees_every_sample_once_with_constant_batch_and_lr(
         min_nodes=2,
         max_nodes=4,
         script_args=(*train_args(epochs * 10, 0.1), "--record-ids", str(record)),
+        # the cold path (restarts from checkpoints) through every kind of change; in place: test_invariance.py
+        extra=("--recovery", "cold"),
     ) as c:
         for name in ("el-0", "el-1", "el-2"):
             c.start(name)
