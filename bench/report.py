@@ -82,7 +82,15 @@ def recovery_table(results: dict[str, Any]) -> str:
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in data.get("phase_medians_s", {}).items())
                 phases.append(f"- {_RECOVERY_LABELS.get(row['scenario'], row['scenario'])}, {system}: {parts}")
     if phases:
-        lines += ["", "Median phase ends, seconds after the fault (or the join's start):", "", *phases]
+        lines += [
+            "",
+            "Median phase ends, seconds after the fault (or the join's start); for a join also `stall` (the running"
+            " group's longest pause between two steps, less a typical step), `stall_total` (every step's excess over a"
+            " typical one summed) and `ready_to_step` (the joiner's workers imported and prepared -> their first step"
+            " in the group), all in seconds:",
+            "",
+            *phases,
+        ]
     return "\n".join(lines) + "\n"
 
 
