@@ -232,6 +232,10 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
             # asked for by a peer, for a membership change): the run ended as asked, nothing failed here.
             logger.info("drained_between_rounds")
             return EXIT_OK
+        if agent.joined_in_place:
+            # this node came to join a group training in place, and the run finished before it was admitted
+            logger.info("finished_while_joining")
+            return EXIT_OK
         logger.error(
             "gave_up",
             message="the rendezvous of this run is closed (finished or stopped); use a new --run-id",

@@ -115,6 +115,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._join_finder = join_finder  # hot recovery: a group that trains in place, for a starting node to join
         self.joining: GroupToJoin | None = None  # this round is private: its workers join that group in place
         self._through_rendezvous = False  # the next round comes from the rendezvous, not from joining in place
+        self.joined_in_place = False  # this node came into the run by joining a group in place (ever)
         self._announce_leaving = announce_leaving  # hot recovery: this node's workers leave their group in place
         self._group_nodes = group_nodes  # the nodes of the group that trains in place now (None: none does)
         self._handled_hangs: set[str] = set()  # hangs (claim names) this node acted on: never twice
@@ -147,6 +148,7 @@ class ElasticdAgent(LocalElasticAgent):
         if try_join and self._join_finder is not None and isinstance(handler, ElasticdRendezvousHandler):
             self.joining = self._poll(self._join_finder, None)
             if self.joining is not None:
+                self.joined_in_place = True
                 handler.join_in_place(self.joining.round)
                 self._log.info("joining_in_place", round=self.joining.round, group_nodes=list(self.joining.nodes))
         while True:

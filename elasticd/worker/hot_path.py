@@ -79,7 +79,11 @@ class HotPath:
         if joining:
             group = _group_to_join(client, keys, s.join_round or 0)
             if group is None:
+                finished = _run_finished(client, keys, s.join_round or 0)
                 client.close()
+                if finished:
+                    run.log.info("join_not_needed", message="the run finished while this node's workers started")
+                    cls._exit(0)
                 return cls._unsupported(run, "the group this node was to join no longer trains in place")
             identity = Identity(group, run.rank, s.node_id, s.join_round or 0, minimum, name=s.fence_token)
         else:
@@ -116,11 +120,9 @@ class HotPath:
         group = self.session.identity.group
 
         def still_wanted() -> bool:
-            if not group_alive(client, keys, group, round_):
-                return False
-            if any(r.get("round") == round_ and r.get("state") == "finished" for r in read_nodes(client, keys)):
+            if _run_finished(client, keys, round_):
                 raise JoinerNotNeeded("the run finished while this node waited to join")
-            return True
+            return group_alive(client, keys, group, round_)
 
         try:
             recovered = self.session.join(run.state, run.plan_for, still_wanted)
@@ -234,6 +236,11 @@ class HotPath:
 
     def close(self) -> None:
         self.session.close()
+
+
+def _run_finished(client: EtcdClient, keys: RunKeys, round_: int) -> bool:
+    """Did a node of ``round_`` finish the run (its registry record says so)?"""
+    return any(r.get("round") == round_ and r.get("state") == "finished" for r in read_nodes(client, keys))
 
 
 def _group_to_join(client: EtcdClient, keys: RunKeys, round_: int) -> str | None:
