@@ -56,3 +56,15 @@ def test_one_short_first_step_does_not_stretch_the_interval() -> None:
     for step in range(2, 40):
         c.at_step(step, 0.1)
     assert c.interval == int(TARGET_SYNC_S / 0.1)
+
+
+def test_a_wanted_change_is_agreed_at_a_sync_point_like_a_request() -> None:
+    c = Coordinator(rank=0, world_size=1, collective=False)
+    wanted = [False]
+    c.wants_change = lambda: wanted[0]
+    assert not any(c.at_step(step, 0.01).admit for step in range(1, 30))
+    wanted[0] = True
+    hits = [step for step in range(30, 120) if c.at_step(step, 0.01).admit]
+    # at the next sync point (one interval of TARGET_SYNC_S away at most), and only at sync points: not every step
+    assert hits and hits[0] <= 30 + int(TARGET_SYNC_S / 0.01)
+    assert len(hits) < 90 / 4

@@ -196,3 +196,14 @@ def test_uncaught_exception_marks_the_slot_exiting_and_chains_to_the_previous_ho
         slot.close()
     finally:
         sys.excepthook = previous
+
+
+def test_a_worker_waiting_to_join_in_place_is_never_a_hang() -> None:
+    assert watchdog().check(10_000.0, {0: replace(TRAINING, phase=Phase.JOINING)}) is None
+
+
+def test_workers_excused_while_a_hung_peer_elsewhere_is_killed_are_watched_again_after() -> None:
+    w = watchdog(timeout_s=2.0)
+    w.excuse(until=110.0)
+    assert w.check(105.0, {0: TRAINING}) is None  # silent 5 s, excused: the culprit's node acts
+    assert w.check(110.5, {0: TRAINING}) is not None
