@@ -313,6 +313,8 @@ def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str, board
     )
     for name, value in _torch_diagnostics_env(cfg).items():
         os.environ.setdefault(name, value)  # the user's own settings win
+    # a worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
     if not _has_gpu():
         # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
         # worker then trains alone without a word (accelerate's state.py, _prepare_backend).

@@ -155,7 +155,14 @@ def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> Non
 
 def test_sigterm_leaves_after_a_checkpoint_and_the_others_go_on_losing_no_step(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     with Cluster(
-        etcd.endpoint, tmp_path, run_id="sigterm", min_nodes=2, max_nodes=3, script_args=train_args(1000)
+        etcd.endpoint,
+        tmp_path,
+        run_id="sigterm",
+        min_nodes=2,
+        max_nodes=3,
+        script_args=train_args(1000),
+        # the cold leave (checkpoint first); in place: tests/integration/test_invariance.py
+        extra=("--recovery", "cold"),
     ) as c:
         for name in ("tm-a", "tm-b", "tm-c"):
             c.start(name)

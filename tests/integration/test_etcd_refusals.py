@@ -49,11 +49,18 @@ def _trainer(endpoint: str, pki: Pki, ranges: list[tuple[str, str]]) -> None:  #
     _etcdctl(endpoint, pki, "user", "grant-role", "trainer", "trainer")
 
 
-def _cluster(endpoint: str, pki: Pki, tmp_path: Path, run_id: str, **kwargs: object) -> Cluster:  # noqa: F811
+def _cluster(
+    endpoint: str,
+    pki: Pki,  # noqa: F811
+    tmp_path: Path,
+    run_id: str,
+    recovery: str = "hot",
+    **kwargs: object,
+) -> Cluster:
     password_file = tmp_path / "password"
     password_file.write_text(TRAINER_PASSWORD)
     access = ("--etcd-cacert", str(pki.ca), "--etcd-cert", str(pki.client_cert), "--etcd-key", str(pki.client_key))
-    extra = (*access, "--etcd-user", "trainer", "--etcd-password-file", str(password_file))
+    extra = (*access, "--etcd-user", "trainer", "--etcd-password-file", str(password_file), "--recovery", recovery)
     return Cluster(endpoint, tmp_path, run_id=run_id, extra=extra, **kwargs)  # type: ignore[arg-type]
 
 
@@ -115,7 +122,14 @@ def test_a_planned_save_whose_commit_is_refused_counts_as_lost_steps_not_as_save
     _trainer(secure_etcd, pki, [(keys.prefix, records[0]), records, (records[1], END)])
     port = free_port()
     with _cluster(
-        secure_etcd, pki, tmp_path, "refused", min_nodes=1, max_nodes=2, script_args=train_args(400, 0.05)
+        secure_etcd,
+        pki,
+        tmp_path,
+        "refused",
+        min_nodes=1,
+        max_nodes=2,
+        script_args=train_args(400, 0.05),
+        recovery="cold",  # a SIGTERM's planned save (in place, a leave takes none)
     ) as cluster:
         try:
             cluster.start("a"), cluster.start("b", "--metrics-port", str(port))

@@ -237,8 +237,13 @@ def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_establis
                 return any(r.step > adopted[0].step for r in Lineage(client, keys).records())
 
             wait_until(committed_again, 120, "a checkpoint committed after the data loss")
-            cluster.start("c")
-            cluster.nodes["c"].wait_event("rendezvous_done", 120, where=lambda e: e["nodes"] == 3)
+            joiner = cluster.start("c")
+
+            def joined() -> bool:  # in place (the default), or through a new round
+                in_place = [e for e in joiner.events("reconfigured") if e.get("world_size") == 3]
+                return bool(in_place or [e for e in joiner.events("rendezvous_done") if e["nodes"] == 3])
+
+            wait_until(joined, 120, "the new node in the group")
             client.close()
             for node in cluster.nodes.values():
                 assert node.wait(240) == 0

@@ -215,10 +215,10 @@ def test_hang_with_a_full_checkpoint_disk_is_an_event_and_both_daemons_recover(e
             write_failed = daemon_events(a, "diagnostics_write_failed") + daemon_events(b, "diagnostics_write_failed")
             assert write_failed, c.diagnostics()
             assert all("No space left on device" in e["error"] for e in write_failed), write_failed
-            for node in (a, b):
-                assert [e for e in daemon_events(node, "restart") if e["reason"] == "hang"] or node.wait_event(
-                    "restart", 60, where=lambda e: e["reason"] == "hang"
-                )
+            # the culprit's node restarts for the hang; the other re-forms in place without it, which leaves fewer
+            # than --min-nodes: it falls back to the cold path (a restart for the failure of its worker)
+            assert b.wait_event("restart", 60, where=lambda e: e["reason"] == "hang")
+            assert a.wait_event("restart", 60, where=lambda e: e["reason"] in ("hang", "failure"))
             for node in (a, b):
                 assert node.wait(150) == 0, c.diagnostics()  # the disk stayed full: saves failed, training went on
         finally:
