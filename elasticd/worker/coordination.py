@@ -106,6 +106,12 @@ class Coordinator:
                 self.requested = self.requested or flags[0].item() > 0
             except RuntimeError:
                 pass  # a peer died meanwhile: the next step fails and recovers like any failure
+        if self._pending is not None and not planned:
+            # the old group's agreement may still fail in gloo's threads: its Work must never be destroyed (a failed
+            # gloo Work's destructor can throw and abort the process), so it is kept, like the old group
+            from elasticd.worker.hot.backend import keep_forever
+
+            keep_forever(self._pending[0])
         self.rank, self.world_size = rank, world_size
         self._collective = world_size > 1
         self._pending = None

@@ -111,11 +111,12 @@ def _check_nothing_restarted_but_the_hung_node(  # type: ignore[no-untyped-def]
     for name in (by_rank[0], by_rank[2]):
         done = {int(e["pid"]) for e in read_json_lines(c.nodes[name].out) if e.get("event") == "done"}
         assert done <= set(pids[name])  # the same worker processes from the first step to the last
-    reasons = [e["reason"] for e in _daemon_events(c.nodes[by_rank[0]], "reconfigured")]
+    # the worker's own lines (the daemon's come from beats, datagrams that a busy host may drop)
+    reasons = [e["reason"] for e in c.nodes[by_rank[0]].events("reconfigured") if "node_id" not in e]
     assert reasons == ["failure", "join", "hang", "join", "leave"], (reasons, c.diagnostics())
     assert c.nodes[by_rank[0]].events("hang_left_to_culprits")
     assert leaver.events("leaving_in_place") and leaver.events("left_in_place")
-    assert all(e["lost_steps"] == 0 for e in _daemon_events(c.nodes[by_rank[0]], "reconfigured"))
+    assert all(e["lost_steps"] == 0 for e in c.nodes[by_rank[0]].events("reconfigured"))
 
 
 def test_kill_join_hang_and_sigterm_in_place_end_with_the_parameters_of_an_undisturbed_run(  # type: ignore[no-untyped-def]

@@ -90,6 +90,15 @@ class AbandonedGroups:
         return leaked
 
 
+def keep_forever(obj: object) -> None:
+    """Never destroy ``obj``, not even at interpreter teardown: one extra reference that nothing releases.
+
+    For what a failed step leaves behind in gloo (the Work of a collective given up on): its destructor may run after
+    the collective failed and throw gloo's stored ``IoException``, which aborts the process ("terminate called after
+    throwing an instance of 'gloo::IoException'", seen at the end of runs that recovered in place)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
 def shrink_exclusions(old_size: int, old_rank: int, previous_ranks: Sequence[int], rank: int) -> list[int] | None:
     """The ranks of the old group to exclude when the new group is a pure shrink of it, else None.
 

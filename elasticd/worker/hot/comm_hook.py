@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticd.worker.hot.backend import keep_forever
 from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
 
@@ -84,6 +85,7 @@ class _InFlight:
     deadline: float  # time.monotonic() seconds
     settled: bool = False
     work: Any = None  # a polled bucket's collective, once issued (None: its future's callback settles it)
+    work_ref: Any = None  # the collective, whichever way it is watched
 
 
 class ResilientAllReduce:
@@ -164,6 +166,7 @@ class ResilientAllReduce:
             # What dist.all_reduce calls underneath, without its registry lookup: the group held need not be
             # registered (re-forming takes the old default group out of torch's registry).
             work = group.allreduce([entry.reduced])
+            entry.work_ref = work  # kept while the entry lives, and past it when the step fails (see _fail)
             if polled:
                 with self._cond:
                     entry.work = work
@@ -228,6 +231,12 @@ class ResilientAllReduce:
             for entry in settled:
                 entry.settled = True
             self._in_flight = [e for e in self._in_flight if not e.settled]
+            # A collective given up on may still end (or fail) later in gloo's threads; its Work must never be
+            # destroyed by Python's garbage collector: a failed gloo Work's destructor can throw its stored
+            # IoException (std::terminate, "Fatal Python error: Aborted" while garbage-collecting; seen in tests).
+            given_up = [e.work_ref for e in settled if e.work_ref is not None]
+        for work in given_up:
+            keep_forever(work)
         for entry in settled:
             entry.future.set_result(entry.gradient)
 
