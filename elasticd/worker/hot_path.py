@@ -179,6 +179,8 @@ class HotPath:
 
     def _adopt(self, recovered: Recovered, *, planned: bool = False) -> None:
         run = self.run
+        if self._report is not None:
+            self.stepped()  # a change superseded before its first step is still reported (and counted)
         run.regrouped(
             recovered.rank,
             recovered.world_size,

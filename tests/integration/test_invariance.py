@@ -64,6 +64,8 @@ def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
             c.start("iv-joiner")  # 2. 3 -> 4
             alive.append("iv-joiner")
             c.wait_step(lambda s: s["world_size"] == 4 and s["step"] > 12, timeout_s=90, what="4 workers again")
+            # and past the admitting step (printed at the new size already): a step completed in the new group
+            c.nodes[by_rank[0]].wait_event("reconfigured", 60, where=lambda e: e["reason"] == "join")
             # 3. a hang: the culprit's node kills its worker, and comes back and joins
             hung = c.nodes[by_rank[3]]
             os.kill(hung.worker_pids()[-1], signal.SIGSTOP)
