@@ -54,32 +54,34 @@ def group_to_join(
     if nodes_waiting > 0:
         return None
     try:
-        found = client.get(keys.membership_group)
-        if found is None:
-            return None
-        record = json.loads(found[0])
-        group = GroupToJoin(str(record["group"]), int(record["round"]), tuple(str(n) for n in record["nodes"]))
-        if len(set(group.nodes) - {node_id}) >= max_nodes:
+        group = read_group(client, keys)
+        if group is None or len(set(group.nodes) - {node_id}) >= max_nodes:
             return None
         spares = [r for r in read_nodes(client, keys) if r.get("round") == group.round and r.get("state") == "spare"]
         if spares or not group_alive(client, keys, group.name, group.round):
             return None
     except EtcdError:
         return None
-    except (ValueError, KeyError, TypeError):
-        return None  # not a record this version wrote
     return group
 
 
-def group_nodes(client: EtcdClient, keys: RunKeys) -> list[str] | None:
-    """The nodes of the group that trains in place now, as its rank 0 last published them (None: no such group)."""
+def read_group(client: EtcdClient, keys: RunKeys) -> GroupToJoin | None:
+    """The group that trains in place now, as its rank 0 last published it (None: none, or not a record this version
+    wrote)."""
     found = client.get(keys.membership_group)
     if found is None:
         return None
     try:
-        return [str(n) for n in json.loads(found[0])["nodes"]]
+        record = json.loads(found[0])
+        return GroupToJoin(str(record["group"]), int(record["round"]), tuple(str(n) for n in record["nodes"]))
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def group_nodes(client: EtcdClient, keys: RunKeys) -> list[str] | None:
+    """The nodes of the group that trains in place now (None: no such group)."""
+    group = read_group(client, keys)
+    return None if group is None else list(group.nodes)
 
 
 def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:

@@ -15,13 +15,12 @@ boundary they agree on (:meth:`HotPath.admit`, from the checkpoint agreement of 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from elasticd.agent.joining import group_alive
+from elasticd.agent.joining import group_alive, read_group
 from elasticd.agent.registry import read_nodes
 from elasticd.board import Phase
 from elasticd.errors import EXIT_REJOIN, ElasticdError
@@ -247,10 +246,7 @@ def _run_finished(client: EtcdClient, keys: RunKeys, round_: int) -> bool:
 
 def _group_to_join(client: EtcdClient, keys: RunKeys, round_: int) -> str | None:
     """The name of the group of ``round_`` that trains in place now, or None (gone, or another round's)."""
-    found = client.get(keys.membership_group)
-    if found is None:
+    group = read_group(client, keys)
+    if group is None or group.round != round_ or not group_alive(client, keys, group.name, round_):
         return None
-    record = json.loads(found[0])
-    if record.get("round") != round_ or not group_alive(client, keys, str(record["group"]), round_):
-        return None
-    return str(record["group"])
+    return group.name

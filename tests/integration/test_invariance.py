@@ -33,10 +33,6 @@ REL_TOL = 1e-5
 DATASET, GLOBAL_BATCH, STEPS_PER_EPOCH = 480, 48, 10
 
 
-def _daemon_events(node: Node, name: str) -> list[dict]:  # type: ignore[type-arg]
-    return [e for e in node.events(name) if "node_id" in e]  # the daemon's line, not the worker's own
-
-
 def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
     workdir.mkdir()
     out, record = workdir / "final.pt", workdir / "ids.jsonl"

@@ -187,13 +187,8 @@ class HotSession:
         if self.watch.leaving():
             return True
         waiting = self.watch.joiners()
-        if not waiting:
-            return False
-        try:
-            plan_for(len(self.members) + waiting)
-        except BatchPlanError:
-            return False  # they stay warm spares until a loss makes room
-        return True
+        # joiners that do not fit stay warm spares until a loss makes room
+        return bool(waiting) and _fits(plan_for)(len(self.members) + waiting)
 
     def take_failure(self) -> StepFailure | None:
         """At the optimizer-step boundary: the failure of the step that just ended, if any (once per step)."""
