@@ -178,6 +178,82 @@ def test_a_failure_notice_releases_a_rank_waiting_on_a_peer_that_gave_up(pair: l
     catch_up(pair[1], 1)
 
 
+def test_a_nudge_releases_a_bucket_in_flight_when_the_notice_has_a_reason(pair: list[Any]) -> None:
+    notice: list[str] = []
+    hook, health = hook_for(pair[0], notice=lambda: notice[0] if notice else None)  # no interval: nudged, not polled
+    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    notice.append("rank 1: connection reset by rank 2")
+    time.sleep(0.2)
+    assert not future.done()  # nobody polls the notice: without a nudge the wait goes on (to its 10-minute deadline)
+    hook.nudge()
+    assert result(future).tolist() == [1.0]
+    failure = health.failure
+    assert failure is not None and "connection reset by rank 2" in failure.reason
+    catch_up(pair[1], 1)
+
+
+def test_a_notice_that_came_while_nothing_was_in_flight_fails_the_next_bucket_at_once(pair: list[Any]) -> None:
+    notice = ["rank 1: connection reset by rank 2"]
+    hook, health = hook_for(pair[0], notice=lambda: notice[0] if notice else None)
+    hook.nudge()  # nothing in flight: nothing to release, and the nudge is not kept for later
+    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    assert future.done() and future.value().tolist() == [1.0]  # not issued: rank 1 never has to catch up
+    failure = health.failure
+    assert failure is not None and "connection reset by rank 2" in failure.reason
+
+
+def test_a_copy_given_up_on_is_never_reused(pair: list[Any]) -> None:
+    hooks = [hook_for(g)[0] for g in pair]
+    futures = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]  # type: ignore[arg-type]
+    healthy = result(futures[0])
+    again = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]  # type: ignore[arg-type]
+    assert result(again[0]).data_ptr() == healthy.data_ptr()  # a healthy step's copy serves the next one
+    result(again[1])
+    hooks[0].health.consume()
+    abandoned = hooks[0].reduce(Bucket(0, [7.0]))  # type: ignore[arg-type]  # rank 1 is late: in flight
+    given_up = hooks[0]._copies[0]
+    hooks[0].abort("peer 1 declared dead")
+    assert result(abandoned).tolist() == [7.0]
+    hooks[0].health.consume()
+    catch_up(pair[1], 1)  # the abandoned collective completes now, writing into the copy given up on
+    futures = [hooks[r].reduce(Bucket(0, [float(2 * r)])) for r in range(2)]  # type: ignore[arg-type]
+    fresh = result(futures[0])
+    assert fresh.data_ptr() != given_up.data_ptr()
+    assert fresh.tolist() == [1.0] and result(futures[1]).tolist() == [1.0]
+
+
+def test_a_collective_failed_while_it_was_being_issued_is_kept_forever(pair: list[Any], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import elasticd.worker.hot.comm_hook as comm_hook
+
+    kept: list[Any] = []
+    monkeypatch.setattr(comm_hook, "keep_forever", kept.append)  # what a failed gloo Work must never meet: its end
+
+    class FailsWhileIssuing:
+        """The group, but a verdict (a nudge, another bucket's failure) lands while the all-reduce is issued."""
+
+        def __init__(self, group: Any) -> None:
+            self.group, self.work = group, None
+            self.hook: ResilientAllReduce | None = None
+
+        def size(self) -> int:
+            return int(self.group.size())
+
+        def allreduce(self, tensors: list[torch.Tensor]) -> Any:
+            assert self.hook is not None
+            self.hook.abort("peer 1 declared dead")
+            self.work = self.group.allreduce(tensors)
+            return self.work
+
+    group = FailsWhileIssuing(pair[0])
+    hook = ResilientAllReduce(GroupHolder(group), StepHealth())  # type: ignore[arg-type]
+    group.hook = hook
+    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    assert result(future).tolist() == [1.0]
+    assert hook.health.failed
+    assert any(w is group.work for w in kept), "the given-up collective's Work was left to the garbage collector"
+    catch_up(pair[1], 1)
+
+
 def test_a_late_verdict_about_a_consumed_failure_does_not_fail_the_next_step(pair: list[Any]) -> None:
     hooks = [hook_for(g)[0] for g in pair]
     hooks[0].abort("first failure")

@@ -12,7 +12,12 @@ complete at once without touching the broken group. The optimizer step is then s
 Why a copy is reduced rather than DDP's bucket itself: gloo in torch 2.13 cannot abort a pending collective (only
 ``Work.wait(timeout)`` gives control back; ``abort()``, ``shutdown()`` and ``destroy_process_group()`` leave the
 operation running until the group's timeout). An abandoned all-reduce may therefore still write into its tensor
-seconds later; the copy (made anyway by the division by the world size) keeps that write away from the gradients.
+seconds later; the copy (written by the division by the world size, one per bucket, reused while steps succeed and
+never again once a step failed) keeps that write away from the gradients and from later steps.
+
+Per step the hook costs one Python call per bucket and one completion callback on gloo's thread: nothing else wakes
+(measured by ``bench/step_overhead.py``; the failure notice is asked as each bucket goes in flight and pushed by its
+owner through :meth:`ResilientAllReduce.nudge`, the deadline watcher idles on a slow tick).
 
 On a GPU (NCCL; **unverified, no GPU here**) a collective's torch future completes when the collective is *enqueued*
 (CUDA events order the result, not the future), so it says nothing about a peer that never arrives: such buckets
@@ -44,10 +49,10 @@ from elasticd.worker.hot.failure import StepHealth
 # slowest peer's compute before it reaches the same bucket, which a rank-0-only evaluation can make minutes long, so
 # anything short would fail healthy steps.
 DEFAULT_BUCKET_TIMEOUT = timedelta(minutes=10)
-# How often an in-flight step asks whether it failed elsewhere: a survivor whose all-reduce waits on another survivor
-# that already gave up (only the peers of the dead rank see a reset connection) learns it within this time. Asked
-# only while a bucket is in flight, so a healthy step pays a few checks at most.
-DEFAULT_NOTICE_INTERVAL = timedelta(milliseconds=20)
+# While nothing is in flight the deadline watcher wakes this often (a fraction of the bucket timeout) rather than
+# being woken by every step: a bucket's deadline is then enforced at most this much late, and a healthy step pays no
+# thread wake-up for a backstop that should never fire.
+_IDLE_TICKS_PER_TIMEOUT = 8
 # How often a polled bucket (a GPU collective, see the module's docstring) is asked whether it completed: the end of
 # a backward pass waits up to this long after the GPU finished the last bucket.
 DEFAULT_POLL_INTERVAL = timedelta(milliseconds=1)
@@ -98,28 +103,37 @@ class ResilientAllReduce:
         *,
         timeout: timedelta = DEFAULT_BUCKET_TIMEOUT,
         notice: Callable[[], str | None] | None = None,
-        notice_interval: timedelta = DEFAULT_NOTICE_INTERVAL,
+        notice_interval: timedelta | None = None,
         poll: bool | None = None,
         poll_interval: timedelta = DEFAULT_POLL_INTERVAL,
     ) -> None:
-        """``notice``, when given, is asked every ``notice_interval`` while a bucket is in flight (never otherwise)
-        whether the step is already known to have failed elsewhere; a reason fails the step at once. ``poll``: settle
-        buckets by polling their collective every ``poll_interval`` rather than by its future; None (the default)
-        polls the buckets on a GPU, whose futures complete at enqueue (True polls every bucket, for tests on gloo).
+        """``notice``, when given, says whether the step is already known to have failed elsewhere (a survivor whose
+        all-reduce waits on another survivor that already gave up: only the peers of a dead rank see a reset
+        connection); a reason fails the step at once. It is asked as each bucket goes in flight and, while buckets
+        are in flight, whenever :meth:`nudge` is called (the notice's owner calls it when the answer changes: no
+        thread wakes on a healthy step), or with ``notice_interval`` every that often instead (a notice that must be
+        fetched, and cannot tell when it changes). ``poll``: settle buckets by polling their collective every
+        ``poll_interval`` rather than by its future; None (the default) polls the buckets on a GPU, whose futures
+        complete at enqueue (True polls every bucket, for tests on gloo).
         """
-        if timeout <= timedelta(0) or notice_interval <= timedelta(0) or poll_interval <= timedelta(0):
-            raise ValueError(f"timeouts must be positive, got {timeout}, {notice_interval} and {poll_interval}")
+        if timeout <= timedelta(0) or poll_interval <= timedelta(0) or (notice_interval or timeout) <= timedelta(0):
+            raise ValueError(f"intervals must be positive, got {timeout}, {notice_interval} and {poll_interval}")
         self.holder = holder
         self.health = health
         self.timeout_s = timeout.total_seconds()
         self.notice = notice
-        self.notice_interval_s = notice_interval.total_seconds()
+        self.notice_interval_s = None if notice_interval is None else notice_interval.total_seconds()
         self.poll = poll
         self.poll_interval_s = poll_interval.total_seconds()
         self._cond = threading.Condition()
         self._in_flight: list[_InFlight] = []
         self._closed = False
         self._watcher: threading.Thread | None = None
+        self._nudged = False
+        # The copies the collectives write into, one per bucket index, reused step after step (a fresh 1-25 MB
+        # tensor per bucket and step costs page faults on a CPU); dropped when a step fails, since a collective given
+        # up on may still write into its copy later.
+        self._copies: dict[int, torch.Tensor] = {}
 
     def register(self, model: Any) -> None:
         """Register on ``model`` (the ``DistributedDataParallel`` that ``accelerator.prepare`` returned)."""
@@ -144,38 +158,58 @@ class ResilientAllReduce:
         future: torch.futures.Future[torch.Tensor] = (
             torch.futures.Future(devices=[gradient.device]) if on_device else torch.futures.Future()
         )
-        generation = self.health.generation
-        if self.health.failed:
+        generation, failed = self.health.state()
+        if failed:
             future.set_result(gradient)  # the step is lost already: leave the broken group alone
             return future
         group = self.holder.group
+        index = bucket.index()
         entry = _InFlight(
-            bucket=bucket.index(),
+            bucket=index,
             generation=generation,
             gradient=gradient,
-            reduced=gradient / group.size(),
+            reduced=torch.div(gradient, group.size(), out=self._copy_for(index, gradient)),
             future=future,
             deadline=time.monotonic() + self.timeout_s,
         )
         with self._cond:
-            if not self._in_flight:
-                self._cond.notify_all()  # the watcher idles while nothing is in flight; later deadlines come later
+            if not self._in_flight and self.notice_interval_s is not None:
+                self._cond.notify_all()  # start the notice's clock now
             self._in_flight.append(entry)
             self._ensure_watcher()
+        if self.notice_interval_s is None:
+            # In flight first, then asked: a notice that comes after this answer nudges the watcher, which then
+            # sees this bucket in flight.
+            noticed = self._ask_notice()
+            if noticed is not None:
+                self._fail(generation, f"failure notice: {noticed}", None)
+                return future
         try:
             # What dist.all_reduce calls underneath, without its registry lookup: the group held need not be
             # registered (re-forming takes the old default group out of torch's registry).
             work = group.allreduce([entry.reduced])
-            entry.work_ref = work  # kept while the entry lives, and past it when the step fails (see _fail)
-            if polled:
-                with self._cond:
+            with self._cond:
+                # Kept while the entry lives, and past it when the step fails: _fail keeps the works it sees, and a
+                # failure that came while the collective was being issued (a nudge, another bucket) is seen here.
+                entry.work_ref = work
+                given_up = entry.settled
+                if polled and not given_up:
                     entry.work = work
                     self._cond.notify_all()  # the watcher starts polling it now
-            else:
+            if given_up:
+                keep_forever(work)
+            elif not polled:
                 work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
         except Exception as exc:  # a group that is already broken may refuse the call itself
             self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} refused: {exc}", entry.bucket)
         return future
+
+    def nudge(self) -> None:
+        """The notice may have changed: ask it now if a bucket is in flight. Thread-safe, cheap."""
+        with self._cond:
+            if self._in_flight:  # else nothing to release: the next bucket asks the notice itself
+                self._nudged = True
+                self._cond.notify_all()
 
     def abort(self, reason: str, *, generation: int | None = None) -> None:
         """Fail the step of ``generation`` (default: the current one): in-flight buckets complete unreduced, later
@@ -235,10 +269,20 @@ class ResilientAllReduce:
             # destroyed by Python's garbage collector: a failed gloo Work's destructor can throw its stored
             # IoException (std::terminate, "Fatal Python error: Aborted" while garbage-collecting; seen in tests).
             given_up = [e.work_ref for e in settled if e.work_ref is not None]
+            if settled:
+                self._copies = {}  # a given-up collective may still write into its copy: never reuse one
         for work in given_up:
             keep_forever(work)
         for entry in settled:
             entry.future.set_result(entry.gradient)
+
+    def _copy_for(self, index: int, gradient: torch.Tensor) -> torch.Tensor:
+        # Under the GIL, from DDP's autograd hook: no two reduce() calls of one hook run at once.
+        copy = self._copies.get(index)
+        layout = (gradient.shape, gradient.dtype, gradient.device)
+        if copy is None or (copy.shape, copy.dtype, copy.device) != layout:
+            copy = self._copies[index] = torch.empty_like(gradient)
+        return copy
 
     def _ensure_watcher(self) -> None:
         if self._watcher is None:
@@ -246,23 +290,28 @@ class ResilientAllReduce:
             self._watcher.start()
 
     def _watch(self) -> None:
-        next_notice = 0.0  # a step is asked about only after its buckets have waited one interval
+        interval = self.notice_interval_s
+        next_notice = 0.0  # polling the notice: a step is asked about only after its buckets waited one interval
         while True:
             with self._cond:
                 if self._closed:
                     return
+                nudged, self._nudged = self._nudged, False
                 if not self._in_flight:
-                    self._cond.wait()
-                    next_notice = time.monotonic() + self.notice_interval_s
+                    # Polling the notice, the first bucket of a step wakes the watcher; otherwise nothing does (a
+                    # nudge while nothing is in flight has nothing to release), and a tick finds the deadlines.
+                    self._cond.wait(timeout=None if interval is not None else self.timeout_s / _IDLE_TICKS_PER_TIMEOUT)
+                    next_notice = time.monotonic() + (interval or 0.0)
                     continue
                 now = time.monotonic()
                 polled = [e for e in self._in_flight if e.work is not None]
                 done = [e for e in polled if _completed(e.work)]
                 late = next((e for e in self._in_flight if e.deadline <= now), None)
-                ask = late is None and not done and self.notice is not None and now >= next_notice
+                due = nudged if interval is None else now >= next_notice
+                ask = late is None and not done and self.notice is not None and due
                 if late is None and not done and not ask:
                     wake = min(e.deadline for e in self._in_flight)
-                    if self.notice is not None:
+                    if self.notice is not None and interval is not None:
                         wake = min(wake, next_notice)
                     if polled:
                         wake = min(wake, now + self.poll_interval_s)
@@ -278,7 +327,7 @@ class ResilientAllReduce:
                     generation, f"all-reduce of bucket {late.bucket} timed out after {self.timeout_s:g}s", late.bucket
                 )
                 continue
-            next_notice = time.monotonic() + self.notice_interval_s
+            next_notice = time.monotonic() + (interval or 0.0)
             noticed = self._ask_notice()  # outside the lock: it may be a network round trip
             if noticed is not None:
                 self._fail(generation, f"failure notice: {noticed}", None)

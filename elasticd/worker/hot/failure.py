@@ -37,6 +37,11 @@ class StepHealth:
         with self._lock:
             return self._generation
 
+    def state(self) -> tuple[int, bool]:
+        """The current generation and whether it failed, read together."""
+        with self._lock:
+            return self._generation, self._failure is not None
+
     @property
     def failure(self) -> StepFailure | None:
         with self._lock:

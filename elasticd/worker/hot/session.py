@@ -139,6 +139,7 @@ class HotSession:
         self.group = identity.group
         self.watch = FailureWatch(client, keys, self.group)
         self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
+        self.watch.on_reason(self.hook.nudge)
         self.guard = FailedStepGuard(self.health)
         self.reformer = Reformer(accelerator, model, self.holder)
         self.listener: ProbeListener | None = None

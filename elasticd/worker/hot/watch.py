@@ -3,8 +3,9 @@
 Only the direct peers of a dead rank see gloo report a reset connection; a survivor whose all-reduce waits on
 another survivor that already gave up would otherwise wait for the bucket timeout. And a vanished node (power loss,
 partition, SIGSTOP) resets nothing at all. So every member follows its run's ``membership/`` keys with one etcd
-watch and answers the hook's question (:meth:`FailureWatch.reason`, asked every 20 ms while a bucket is in flight,
-never otherwise) from memory:
+watch and answers the hook's question (:meth:`FailureWatch.reason`, asked as each bucket goes in flight) from
+memory, and nudges the hook (:meth:`FailureWatch.on_reason`) the moment a reason appears, so that a bucket already in
+flight is released too:
 
 - ``membership/notice/<epoch>``: a member of the current epoch saw its step fail (it writes the key first thing);
 - ``membership/alive/<node>`` gone for a node of a current member: that node's daemon stopped refreshing its
@@ -22,7 +23,7 @@ refreshes change no key.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
@@ -49,6 +50,11 @@ class FailureWatch:
         self._leaving: frozenset[str] = frozenset()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._on_reason: Callable[[], None] | None = None
+
+    def on_reason(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the watch's thread; keep it short) whenever the current epoch gets a reason."""
+        self._on_reason = callback
 
     def follow(self, epoch: int, nodes: Collection[str]) -> None:
         """Watch ``epoch`` (whose members run on ``nodes``) from now on; forgets the previous epoch's verdict."""
@@ -99,8 +105,12 @@ class FailureWatch:
         joiners = sum(1 for _, raw, _ in bids if Bid.decode(raw).old_rank is None)
         leaving = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_leaving_prefix)}
         with self._lock:
+            news = False
             if self._epoch == epoch:
                 self._joiners = joiners
                 self._leaving = frozenset(leaving & nodes)
                 if reason is not None:
+                    news = self._reason is None
                     self._reason = reason
+        if news and self._on_reason is not None:
+            self._on_reason()

@@ -115,6 +115,7 @@ class Worker:
             self.health,
             timeout=timedelta(seconds=args.bucket_timeout_s),
             notice=self.failure_notice,
+            notice_interval=timedelta(milliseconds=20),  # a store round trip: polled, nothing nudges the hook
             poll=True if args.poll else None,
         )
         self.hook.register(self.model)
