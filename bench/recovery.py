@@ -22,6 +22,12 @@ checkpoint dir per trial and system):
 - ``node_vanish`` (elasticd only): the same node as ``node_loss``, SIGSTOPped instead (its launcher and worker at one
   moment): nothing resets a connection, detection rests on liveness leases. From the stop to the first step at
   ``world_size == 2``; the stopped node is then killed.
+- ``hang`` (elasticd only): the worker of the same node is SIGSTOPped, its daemon left running: its peers wait in
+  their all-reduce, the daemons' hang watchdog (``--hang-timeout auto``, learned from the ~0.06 s steps: its 0.5 s
+  floor) convicts it. From the stop to the first step of a group without the hung worker: at ``world_size == 2``
+  in place (the culprit's node kills its worker, which comes back as a joiner), or, cold, the first step of the
+  restarted workers at ``world_size == 3`` (another pid on rank 0, or another world size, than before the stop).
+  The victim node is then killed.
 
 Systems: ``elasticd`` (its defaults: ``--recovery hot``, keep-alive 1 s x 3, last call 2 s), ``elasticd-cold``
 (``--recovery cold``: every membership change restarts the workers from the newest checkpoint, the fallback),
@@ -45,11 +51,14 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import itertools
 import json
 import math
+import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -61,6 +70,8 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 if __package__ in (None, ""):  # run as `python bench/recovery.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -92,6 +103,7 @@ from elasticd.rendezvous.handler import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_AT
 
 MIN_NODES, MAX_NODES = 2, 3
 # 50 ms of stand-in compute per step; 1000 epochs of 100 steps are never reached: every trial ends in a kill.
+SCRIPT_NAME = "train.py"  # examples/train.py, run by every system
 SCRIPT_ARGS = ("--sleep", "0.05", "--epochs", "1000")
 # A committed checkpoint every this many steps, for both systems (a restart resumes from the newest one).
 CHECKPOINT_EVERY_STEPS = 10
@@ -115,6 +127,7 @@ STORE_HOST_TIMEOUT_S = 60.0
 TARGET_NODE_LOSS_S, TARGET_RATIO, TARGET_JOIN_S = 0.5, 10.0, 0.5
 TARGET_COLD_NODE_LOSS_S = 8.5
 TARGET_VANISH_S = 2.0  # issue 11: SIGSTOP of a node -> first step at the new size
+TARGET_HANG_S = 1.5  # issue 11: a hung worker (--hang-timeout auto) -> first step without it
 
 SYSTEMS = ("elasticd", "elasticd-cold", "torchrun", "torchrun-tuned")
 # elasticd's rendezvous timings, for torchrun-tuned (c10d reads the same --rdzv-conf keys).
@@ -130,6 +143,7 @@ class Scenario(StrEnum):
     NODE_LOSS = "node_loss"
     NODE_LOSS_RANK0 = "node_loss_rank0"
     NODE_VANISH = "node_vanish"
+    HANG = "hang"
 
     @property
     def label(self) -> str:
@@ -138,13 +152,20 @@ class Scenario(StrEnum):
             Scenario.NODE_LOSS: "node loss (3 -> 2)",
             Scenario.NODE_LOSS_RANK0: "node loss, rank-0 node",
             Scenario.NODE_VANISH: "vanished node (SIGSTOP)",
+            Scenario.HANG: "hung worker (SIGSTOP, auto)",
         }[self]
 
 
 # Run in this order within one trial: join needs 2 nodes, which is how a job starts.
 SCENARIOS = {
-    "elasticd": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0, Scenario.NODE_VANISH),
-    "elasticd-cold": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0, Scenario.NODE_VANISH),
+    "elasticd": (Scenario.JOIN, Scenario.NODE_LOSS, Scenario.NODE_LOSS_RANK0, Scenario.NODE_VANISH, Scenario.HANG),
+    "elasticd-cold": (
+        Scenario.JOIN,
+        Scenario.NODE_LOSS,
+        Scenario.NODE_LOSS_RANK0,
+        Scenario.NODE_VANISH,
+        Scenario.HANG,
+    ),
     "torchrun": (Scenario.JOIN, Scenario.NODE_LOSS),
     "torchrun-tuned": (Scenario.JOIN, Scenario.NODE_LOSS),
 }
@@ -433,6 +454,43 @@ def first_step_at(job: Job, size: int, after: float) -> dict[str, Any] | None:
         return None
 
 
+def first_step_without(job: Job, before: dict[str, Any], after: float) -> dict[str, Any] | None:
+    """The first step line after ``after`` from another group than the one that printed ``before``: another world
+    size (re-formed in place without a member) or another rank-0 process (restarted); None after the timeout."""
+
+    def first() -> dict[str, Any] | None:
+        job.launcher.refresh()
+        lines = sorted(
+            (r for n in job.launcher.nodes.values() for r in n.out_records if r.get("event") == "step"),
+            key=lambda r: float(r["t"]),
+        )
+        return next(
+            (
+                r
+                for r in lines
+                if float(r["t"]) > after
+                and (r.get("world_size"), r.get("pid")) != (before.get("world_size"), before.get("pid"))
+            ),
+            None,
+        )
+
+    try:
+        return wait_until(first, RECOVERY_TIMEOUT_S, "a step without the hung worker", poll_s=0.1)
+    except BenchTimeout:
+        return None
+
+
+def worker_pids(node: Node) -> list[int]:
+    """The node's worker processes: those below the launcher that run the job's script."""
+    script = SCRIPT_NAME
+    pids = []
+    for process in node.tree()[1:]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if any(part.endswith(script) for part in process.cmdline()):
+                pids.append(process.pid)
+    return pids
+
+
 def worker_ready_times(node: Node) -> list[float]:
     """When a worker of ``node`` had initialised (unix s): the worker library's ``resumed`` event on stderr (after
     accelerate, the process group and the checkpoint load), or a script's own ``start`` line on stdout."""
@@ -462,10 +520,18 @@ def milestones(job: Job, size: int, t0: float, t1: float) -> tuple[dict[str, flo
 
 
 def measure(
-    job: Job, trial: int, scenario: Scenario, size_after: int, t0: float, victim: Node | None, quiet: Quiet
+    job: Job,
+    trial: int,
+    scenario: Scenario,
+    size_after: int,
+    t0: float,
+    victim: Node | None,
+    quiet: Quiet,
+    before: dict[str, Any] | None = None,
 ) -> Sample:
-    """The sample of a fault or join that happened at ``t0`` (unix s), after ``quiet`` was measured."""
-    step = first_step_at(job, size_after, t0)
+    """The sample of a fault or join that happened at ``t0`` (unix s), after ``quiet`` was measured; with
+    ``before`` (the last step line before the fault), the first step from another group than that line's."""
+    step = first_step_at(job, size_after, t0) if before is None else first_step_without(job, before, t0)
     # over at least a second: a 0.1 s window turns a stray process start into "36 cores"
     during = foreign_cores(quiet.snapshot, foreign_cpu(), max(time.time() - t0, 1.0))
     sample = Sample(
@@ -563,6 +629,20 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
             return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
         finally:
             victim.kill()
+    if scenario is Scenario.HANG:
+        pids = worker_pids(victim)
+        if not pids:
+            raise BenchTimeout(f"{job.system}: no worker process found on {victim.name}")
+        job.launcher.refresh()
+        t0 = time.time()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        before = steps_at(job, MAX_NODES, 0.0)[-1]
+        try:
+            return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet, before=before)
+        finally:
+            victim.kill()
     t0 = victim.kill()
     return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
 
@@ -600,7 +680,7 @@ def start_job(stack: ExitStack, system: str, trial_dir: Path, run_id: str, code:
     """The job of ``system`` in ``trial_dir`` (elasticd: with an etcd of its own), torn down when ``stack`` unwinds:
     every node is dead before etcd stops, so no daemon sees etcd go."""
     launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
-    script = code / "examples" / "train.py"
+    script = code / "examples" / SCRIPT_NAME
     job: Job
     if system in ("elasticd", "elasticd-cold"):
         # fsync on, as a production etcd runs: the rendezvous writes pay their real cost.
@@ -726,6 +806,8 @@ def verdict(
         return "; ".join(parts)
     if scenario is Scenario.NODE_VANISH:
         return f"hot <= {TARGET_VANISH_S:g} s: " + ("met" if elasticd_s <= TARGET_VANISH_S else "MISSED")
+    if scenario is Scenario.HANG:
+        return f"hot <= {TARGET_HANG_S:g} s: " + ("met" if elasticd_s <= TARGET_HANG_S else "MISSED")
     fast = elasticd_s <= TARGET_NODE_LOSS_S
     parts = [f"hot <= {TARGET_NODE_LOSS_S:g} s: {'met' if fast else 'MISSED'}"]
     if tuned_ratio is not None:

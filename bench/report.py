@@ -34,6 +34,7 @@ _RECOVERY_LABELS = {
     "node_loss": "node loss (kill -9, 3 -> 2)",
     "node_loss_rank0": "node loss, rank-0 node",
     "node_vanish": "vanished node (SIGSTOP)",
+    "hang": "hung worker (SIGSTOP of one worker, --hang-timeout auto)",
 }
 
 

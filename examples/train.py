@@ -102,6 +102,7 @@ def main() -> None:
                     "lr": scheduler.get_last_lr()[0],
                     "world_size": accelerator.num_processes,
                     "accumulation": accelerator.gradient_accumulation_steps,
+                    "pid": os.getpid(),
                     "t": time.time(),
                 }
                 print(json.dumps(line), flush=True)

@@ -80,8 +80,8 @@ def collect(
     offsets: dict[int, int] = {}
     requests: dict[int, int] = {}
     for local_rank, pid in pids.items():
-        if local_rank not in can_dump:
-            continue
+        if local_rank not in can_dump or process_state(pid) in FROZEN_STATES:
+            continue  # a stopped process cannot answer: waiting for it would only delay the verdict its state gives
         path = stacks_path(board_dir, local_rank)
         offsets[local_rank] = path.stat().st_size if path.exists() else 0
         with contextlib.suppress(OSError):

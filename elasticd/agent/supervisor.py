@@ -112,6 +112,9 @@ class ElasticdAgent(LocalElasticAgent):
         self._round_token: str | None = None  # the token the round started with: its workers' member names
         self._membership = membership  # hot recovery's epochs: each one moves the token in place
         self.regrouped_in_place = False  # the workers re-formed their group in place during this round
+        # local rank -> the rank its worker's latest beat gave: in the group it trains in now (in place the round's
+        # ranks are stale, and a joiner's private round numbers its workers from 0 like the first node's)
+        self._beat_ranks: dict[int, int] = {}
         self._join_finder = join_finder  # hot recovery: a group that trains in place, for a starting node to join
         self.joining: GroupToJoin | None = None  # this round is private: its workers join that group in place
         self._through_rendezvous = False  # the next round comes from the rendezvous, not from joining in place
@@ -158,6 +161,7 @@ class ElasticdAgent(LocalElasticAgent):
                 members = self._exchange_node_ids(worker_group)
                 self.token = self._agree_token(worker_group)
                 self.regrouped_in_place = False
+                self._beat_ranks = {}
                 if self.hangs is not None:
                     self.hangs.epoch, self.hangs.in_place = 0, False  # a new round agrees on its hangs afresh
                 break
@@ -353,6 +357,8 @@ class ElasticdAgent(LocalElasticAgent):
         self.progress.on_beat(beat)
         self.reconfigurations.on_beat(beat)
         self.sizing.on_beat(beat)
+        if isinstance(beat.get("rank"), int) and isinstance(beat.get("local_rank"), int):
+            self._beat_ranks[beat["local_rank"]] = beat["rank"]
         if beat.get("kind") == "reconfigured":
             self.regrouped_in_place = True
             if isinstance(beat.get("node_ids"), list) and beat["node_ids"]:
@@ -499,11 +505,16 @@ class ElasticdAgent(LocalElasticAgent):
             # in place, the group's nodes as its last epoch named them; otherwise the round's that train
             members=list(self._members) if self.regrouped_in_place else self.sizing.training_members(self._members),
             pids=pids,
-            ranks={w.local_rank: w.global_rank for w in worker_group.workers},
+            ranks={w.local_rank: self._current_rank(w) for w in worker_group.workers},
             can_dump=self.reports.can_dump_stacks(),
             started_at=self._workers_started_at,
             suspicion=suspicion,
         )
+
+    def _current_rank(self, worker: Any) -> int:
+        """A local worker's rank in the group it trains in now: as its beats say, else the round's."""
+        rank = self._beat_ranks.get(worker.local_rank)
+        return int(worker.global_rank) if rank is None else rank
 
     def _leave_in_place(self, worker_group: WorkerGroup) -> bool:
         """SIGTERM under hot recovery: this node's workers leave the group at a step boundary it agrees on, and the

@@ -417,6 +417,7 @@ class Run:
 
         ``planned``: a join at an agreed step boundary (no failure)."""
         self.rank, self.world_size, self.state = rank, world_size, state
+        self.beats.rank = rank  # the daemon names this worker by its rank in the group (hang diagnoses, reports)
         if plan is not None:
             self.plan = plan
             for loader in self._loaders:

@@ -7,9 +7,10 @@ The disturbed run, 4 nodes of one worker each (``--min-nodes 2``):
 
 1. kill -9 of the node of group rank 1: the other three re-form in place (4 -> 3);
 2. a new node starts and joins in place, healed from a live peer (3 -> 4);
-3. the worker of the node of group rank 3 is SIGSTOPped: the others wait in their all-reduce, the nodes agree on the
-   hang, its node tells the group and kills it, the others re-form in place (4 -> 3), and its node comes back with a
-   fresh worker that joins in place (3 -> 4);
+3. the worker of the node that joined in step 2 is SIGSTOPped (the private round it came in through numbered it
+   rank 0, as the round numbered the node of group rank 0: the daemons must name it by its rank in the group): the
+   others wait in their all-reduce, the nodes agree on the hang, its node tells the group and kills it, the others
+   re-form in place (4 -> 3), and its node comes back with a fresh worker that joins in place (3 -> 4);
 4. SIGTERM to the node of group rank 2: its worker leaves at an agreed step boundary (4 -> 3), and the run ends.
 """
 
@@ -63,7 +64,7 @@ def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
             # and past the admitting step (printed at the new size already): a step completed in the new group
             c.nodes[by_rank[0]].wait_event("reconfigured", 60, where=lambda e: e["reason"] == "join")
             # 3. a hang: the culprit's node kills its worker, and comes back and joins
-            hung = c.nodes[by_rank[3]]
+            hung = c.nodes["iv-joiner"]
             os.kill(hung.worker_pids()[-1], signal.SIGSTOP)
             diagnosed = hung.wait_event("hang_diagnosed", timeout_s=120)
             hung.wait_event("joining_in_place", timeout_s=60)
@@ -98,21 +99,22 @@ def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
 def _check_nothing_restarted_but_the_hung_node(  # type: ignore[no-untyped-def]
     c: Cluster, by_rank: dict[int, str], pids: dict[str, list[int]], diagnosed: dict, leaver: Node
 ) -> None:
-    hung = c.nodes[by_rank[3]]
+    hung = c.nodes["iv-joiner"]
     assert diagnosed["culprit_nodes"] == [hung.name], diagnosed
     assert [e["reason"] for e in hung.events("restart")] == ["hang"], hung.tail(60)
     assert len(hung.events("hang_diagnosed")) == 1, hung.tail(60)  # acted on once
-    for name in (by_rank[0], by_rank[2], "iv-joiner"):
+    for name in (by_rank[0], by_rank[2], by_rank[3]):
         node = c.nodes[name]
         assert not node.events("restart"), f"{name} restarted its workers\n{c.diagnostics()}"
         assert not node.events("checkpoint_requested"), f"{name}: a change in place takes no checkpoint first"
-    for name in (by_rank[0], by_rank[2]):
+    for name in (by_rank[0], by_rank[2], by_rank[3]):
         done = {int(e["pid"]) for e in read_json_lines(c.nodes[name].out) if e.get("event") == "done"}
         assert done <= set(pids[name])  # the same worker processes from the first step to the last
     # the worker's own lines (the daemon's come from beats, datagrams that a busy host may drop)
     reasons = [e["reason"] for e in c.nodes[by_rank[0]].events("reconfigured") if "node_id" not in e]
     assert reasons == ["failure", "join", "hang", "join", "leave"], (reasons, c.diagnostics())
-    assert c.nodes[by_rank[0]].events("hang_left_to_culprits")
+    # the others left the hang to its culprit's node: they said so, or saw their workers move on before deciding
+    assert c.nodes[by_rank[0]].events("hang_left_to_culprits") or c.nodes[by_rank[0]].events("hang_cleared")
     assert leaver.events("leaving_in_place") and leaver.events("left_in_place")
     assert all(e["lost_steps"] == 0 for e in c.nodes[by_rank[0]].events("reconfigured"))
 
