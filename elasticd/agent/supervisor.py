@@ -57,7 +57,7 @@ _CONTROL_POLL_S = 1.0
 # Seconds between two etcd_unavailable warnings while etcd stays away.
 _ETCD_WARN_INTERVAL_S = 10.0
 # Seconds between telling the group of a hang whose culprits are here and killing them: the others abandon their
-# collective on the notice (they poll it every 20 ms) rather than on the reset, so they count a hang.
+# collective on the notice (their failure watch pushes it to the hook) rather than on the reset, so they count a hang.
 _HANG_NOTICE_S = 0.1
 # Seconds between straggler checks, which also publish this node's per-rank own times and read the other nodes'.
 _STRAGGLER_POLL_S = 2.0

@@ -210,8 +210,7 @@ def test_hang_with_a_full_checkpoint_disk_is_an_event_and_both_daemons_recover(e
         victim = b.wait_event("workers_started")["pids"][0]
         os.kill(victim, signal.SIGSTOP)  # b's worker freezes; a's waits for it in the all-reduce
         try:
-            b.wait_event("hang_diagnosed", 90)
-            a.wait_event("hang_diagnosed", 90)
+            b.wait_event("hang_diagnosed", 90)  # a may diagnose it too, or see b's notice fail its step first
             write_failed = daemon_events(a, "diagnostics_write_failed") + daemon_events(b, "diagnostics_write_failed")
             assert write_failed, c.diagnostics()
             assert all("No space left on device" in e["error"] for e in write_failed), write_failed
