@@ -64,7 +64,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -417,15 +417,22 @@ def _exited(node: Node) -> bool:
 # -- waiting and measuring -----------------------------------------------------------------------------------
 
 
-def steps_at(job: Job, size: int, after: float) -> list[dict[str, Any]]:
-    """Step lines of any node at world size ``size`` with ``t`` after ``after`` (unix s), oldest first."""
+def step_lines(
+    job: Job, after: float, accept: Callable[[dict[str, Any]], bool] = lambda r: True
+) -> list[dict[str, Any]]:
+    """Step lines of any node with ``t`` after ``after`` (unix s) that ``accept`` takes, oldest first."""
     found = [
         r
         for n in job.launcher.nodes.values()
         for r in n.out_records
-        if r.get("event") == "step" and r.get("world_size") == size and float(r.get("t", 0)) > after
+        if r.get("event") == "step" and float(r.get("t", 0)) > after and accept(r)
     ]
     return sorted(found, key=lambda r: float(r["t"]))
+
+
+def steps_at(job: Job, size: int, after: float) -> list[dict[str, Any]]:
+    """Step lines of any node at world size ``size`` with ``t`` after ``after`` (unix s), oldest first."""
+    return step_lines(job, after, lambda r: r.get("world_size") == size)
 
 
 def wait_steady(job: Job, size: int, since: float, timeout_s: float = STEADY_TIMEOUT_S) -> dict[str, int]:
@@ -440,44 +447,34 @@ def wait_steady(job: Job, size: int, since: float, timeout_s: float = STEADY_TIM
     return wait_until(steady, timeout_s, f"{job.system}: {STEADY_STEPS} steps at world size {size}")
 
 
-def first_step_at(job: Job, size: int, after: float) -> dict[str, Any] | None:
-    """The first step line at ``size`` after ``after``, or None when none comes within RECOVERY_TIMEOUT_S."""
+def first_step(
+    job: Job, after: float, what: str, accept: Callable[[dict[str, Any]], bool] = lambda r: True
+) -> dict[str, Any] | None:
+    """The first step line after ``after`` that ``accept`` takes, or None when none comes within RECOVERY_TIMEOUT_S."""
 
     def first() -> dict[str, Any] | None:
         job.launcher.refresh()
-        steps = steps_at(job, size, after)
+        steps = step_lines(job, after, accept)
         return steps[0] if steps else None
 
     try:
-        return wait_until(first, RECOVERY_TIMEOUT_S, f"a step at world size {size}", poll_s=0.1)
+        return wait_until(first, RECOVERY_TIMEOUT_S, what, poll_s=0.1)
     except BenchTimeout:
         return None
+
+
+def first_step_at(job: Job, size: int, after: float) -> dict[str, Any] | None:
+    """The first step line at ``size`` after ``after``, or None when none comes within RECOVERY_TIMEOUT_S."""
+    return first_step(job, after, f"a step at world size {size}", lambda r: r.get("world_size") == size)
 
 
 def first_step_without(job: Job, before: dict[str, Any], after: float) -> dict[str, Any] | None:
     """The first step line after ``after`` from another group than the one that printed ``before``: another world
     size (re-formed in place without a member) or another rank-0 process (restarted); None after the timeout."""
-
-    def first() -> dict[str, Any] | None:
-        job.launcher.refresh()
-        lines = sorted(
-            (r for n in job.launcher.nodes.values() for r in n.out_records if r.get("event") == "step"),
-            key=lambda r: float(r["t"]),
-        )
-        return next(
-            (
-                r
-                for r in lines
-                if float(r["t"]) > after
-                and (r.get("world_size"), r.get("pid")) != (before.get("world_size"), before.get("pid"))
-            ),
-            None,
-        )
-
-    try:
-        return wait_until(first, RECOVERY_TIMEOUT_S, "a step without the hung worker", poll_s=0.1)
-    except BenchTimeout:
-        return None
+    group = (before.get("world_size"), before.get("pid"))
+    return first_step(
+        job, after, "a step without the hung worker", lambda r: (r.get("world_size"), r.get("pid")) != group
+    )
 
 
 def worker_pids(node: Node) -> list[int]:

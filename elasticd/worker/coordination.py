@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticd.worker.hot.backend import keep_forever
+
 # Seconds of training between sync points; the all-reduce overlaps training, its launch costs a few µs.
 TARGET_SYNC_S = 0.25
 MAX_INTERVAL_STEPS = 1000
@@ -109,8 +111,6 @@ class Coordinator:
         if self._pending is not None and not planned:
             # the old group's agreement may still fail in gloo's threads: its Work must never be destroyed (a failed
             # gloo Work's destructor can throw and abort the process), so it is kept, like the old group
-            from elasticd.worker.hot.backend import keep_forever
-
             keep_forever(self._pending[0])
         self.rank, self.world_size = rank, world_size
         self._collective = world_size > 1

@@ -84,7 +84,7 @@ class AbandonedGroups:
         reference each keeps them alive until the operating system reclaims the process.
         """
         for _, group in self._held:
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+            keep_forever(group)
         leaked = len(self._held)
         self._held = []
         return leaked

@@ -88,9 +88,9 @@ class _InFlight:
     reduced: torch.Tensor  # the copy the collective writes into
     future: torch.futures.Future[torch.Tensor]
     deadline: float  # time.monotonic() seconds
+    polled: bool  # settled by the watcher polling its collective (else by the collective's future callback)
     settled: bool = False
-    work: Any = None  # a polled bucket's collective, once issued (None: its future's callback settles it)
-    work_ref: Any = None  # the collective, whichever way it is watched
+    work: Any = None  # the collective, once issued: kept while the entry lives, and for ever if it is given up on
 
 
 class ResilientAllReduce:
@@ -116,7 +116,7 @@ class ResilientAllReduce:
         ``poll_interval`` rather than by its future; None (the default) polls the buckets on a GPU, whose futures
         complete at enqueue (True polls every bucket, for tests on gloo).
         """
-        if timeout <= timedelta(0) or poll_interval <= timedelta(0) or (notice_interval or timeout) <= timedelta(0):
+        if min(timeout, poll_interval, notice_interval or timeout) <= timedelta(0):
             raise ValueError(f"intervals must be positive, got {timeout}, {notice_interval} and {poll_interval}")
         self.holder = holder
         self.health = health
@@ -171,6 +171,7 @@ class ResilientAllReduce:
             reduced=torch.div(gradient, group.size(), out=self._copy_for(index, gradient)),
             future=future,
             deadline=time.monotonic() + self.timeout_s,
+            polled=polled,
         )
         with self._cond:
             if not self._in_flight and self.notice_interval_s is not None:
@@ -191,10 +192,9 @@ class ResilientAllReduce:
             with self._cond:
                 # Kept while the entry lives, and past it when the step fails: _fail keeps the works it sees, and a
                 # failure that came while the collective was being issued (a nudge, another bucket) is seen here.
-                entry.work_ref = work
+                entry.work = work
                 given_up = entry.settled
                 if polled and not given_up:
-                    entry.work = work
                     self._cond.notify_all()  # the watcher starts polling it now
             if given_up:
                 keep_forever(work)
@@ -268,7 +268,7 @@ class ResilientAllReduce:
             # A collective given up on may still end (or fail) later in gloo's threads; its Work must never be
             # destroyed by Python's garbage collector: a failed gloo Work's destructor can throw its stored
             # IoException (std::terminate, "Fatal Python error: Aborted" while garbage-collecting; seen in tests).
-            given_up = [e.work_ref for e in settled if e.work_ref is not None]
+            given_up = [e.work for e in settled if e.work is not None]
             if settled:
                 self._copies = {}  # a given-up collective may still write into its copy: never reuse one
         for work in given_up:
@@ -304,7 +304,7 @@ class ResilientAllReduce:
                     next_notice = time.monotonic() + (interval or 0.0)
                     continue
                 now = time.monotonic()
-                polled = [e for e in self._in_flight if e.work is not None]
+                polled = [e for e in self._in_flight if e.polled and e.work is not None]
                 done = [e for e in polled if _completed(e.work)]
                 late = next((e for e in self._in_flight if e.deadline <= now), None)
                 due = nudged if interval is None else now >= next_notice
