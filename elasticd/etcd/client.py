@@ -50,6 +50,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 _RPC_ERRORS = (pyetcd.exceptions.Etcd3Exception, grpc.RpcError)
+# etcd's answers to a token it no longer takes: forgotten (a restart, expiry), or checked against an auth revision
+# that moved before the request was applied (a user or role changed meanwhile: any permission granted or revoked).
+# Logging in again and retrying once is the cure for both.
+_STALE_TOKEN = ("invalid auth token", "auth: revision in header is old")
 # Answers that no retry will change: a refused login or a certificate that does not verify. Connecting fails at
 # once with one clear line instead of retrying until the connect timeout.
 _ACCESS_DENIED = (
@@ -388,14 +392,15 @@ class EtcdClient:
                 # instead of refusing for the rest of the backoff while etcd may already be back.
                 for endpoint in self._raw.endpoints.values():
                     endpoint.last_failed = 0
-        if not renewed and "invalid auth token" in str(error) and self._renew_token():
+        if not renewed and any(m in str(error) for m in _STALE_TOKEN) and self._renew_token():
             return self._call(operation, fn, report, renewed=True)
         if report:
             self._report(error)
         raise error
 
     def _renew_token(self) -> bool:
-        """Log in again after etcd forgot our token (it restarted, or the token expired unused); True on success.
+        """Log in again after etcd forgot our token (it restarted, or the token expired unused) or a user or role
+        changed while a request of ours was in flight ("auth: revision in header is old"); True on success.
 
         The watch stream carries the old token, so it is replaced (watches on it end; their callers re-read)."""
         if self._login is None:
