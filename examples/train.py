@@ -76,6 +76,13 @@ def main() -> None:
     record = open(args.record_ids, "a") if args.record_ids else None  # noqa: SIM115
 
     for batch in run.batches(loader, epochs=args.epochs):  # continues exactly where the run stopped
+        if record is not None:
+            ids = batch["id"][batch["valid"]].tolist()
+            # recorded before the step (a rank killed right after its gradient was reduced still counts);
+            # a step may be tried again: after a rollback, a restart (round) or a recovery in place (epoch)
+            attempt = {"round": run.settings.round, "rollbacks": run.state.rollbacks, "epoch": run.epoch}
+            line = {"step": run.state.step + 1, **attempt, "rank": run.rank, "ids": ids}
+            print(json.dumps(line), file=record, flush=True)
         with accelerator.accumulate(model), accelerator.autocast():
             error = ((model(batch["x"]) - batch["y"]) ** 2).mean(dim=1)
             valid = batch["valid"].float()  # the epoch's last step is padded: padding does not count
@@ -84,12 +91,6 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
-        if record is not None:
-            ids = batch["id"][batch["valid"]].tolist()
-            # a step may be tried again: after a rollback, a restart (round) or a recovery in place (epoch)
-            attempt = {"round": run.settings.round, "rollbacks": run.state.rollbacks, "epoch": run.epoch}
-            line = {"step": run.state.step + 1, **attempt, "rank": run.rank, "ids": ids}
-            print(json.dumps(line), file=record, flush=True)
         # beat, NaN guard, periodic or requested checkpoint; True once per completed optimizer step
         if run.step(loss):
             time.sleep(args.sleep)
