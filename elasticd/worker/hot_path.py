@@ -28,6 +28,7 @@ from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
+from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.session import (
     HotFallback,
@@ -237,6 +238,9 @@ class HotPath:
 
     def close(self) -> None:
         self.session.close()
+        pending = self.session.hook.pending_given_up()
+        if pending:  # the interpreter's teardown could abort the process: exit_guard.py
+            exit_guard.install(self.run.log.info, pending=pending)
 
 
 def _run_finished(client: EtcdClient, keys: RunKeys, round_: int) -> bool:

@@ -134,6 +134,9 @@ class ResilientAllReduce:
         # tensor per bucket and step costs page faults on a CPU); dropped when a step fails, since a collective given
         # up on may still write into its copy later.
         self._copies: dict[int, torch.Tensor] = {}
+        # Collectives given up on whose completion callback (Python, run on gloo's thread) is still attached: while
+        # one is pending, this process must not tear its interpreter down (exit_guard.py).
+        self._given_up: list[Any] = []
 
     def register(self, model: Any) -> None:
         """Register on ``model`` (the ``DistributedDataParallel`` that ``accelerator.prepare`` returned)."""
@@ -217,6 +220,12 @@ class ResilientAllReduce:
         about a generation whose failure was already consumed changes nothing."""
         self._fail(self.health.generation if generation is None else generation, reason, None)
 
+    def pending_given_up(self) -> int:
+        """How many collectives given up on may still complete, and call back into Python, on gloo's threads."""
+        with self._cond:
+            self._given_up = [work for work in self._given_up if not _completed(work)]
+            return len(self._given_up)
+
     def close(self) -> None:
         """Stop the deadline watcher (in-flight buckets are left as they are)."""
         with self._cond:
@@ -269,6 +278,7 @@ class ResilientAllReduce:
             # destroyed by Python's garbage collector: a failed gloo Work's destructor can throw its stored
             # IoException (std::terminate, "Fatal Python error: Aborted" while garbage-collecting; seen in tests).
             given_up = [e.work for e in settled if e.work is not None]
+            self._given_up += [e.work for e in settled if e.work is not None and not e.polled]
             if settled:
                 self._copies = {}  # a given-up collective may still write into its copy: never reuse one
         for work in given_up:
