@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
 from torch.distributed.elastic.agent.server.api import RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
@@ -24,16 +23,17 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from elasticd import envvars
+from elasticd.agent.controller import Controller, NodeState, group_state
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.joining import GroupToJoin, join_name
-from elasticd.agent.policy import Action, GroupState, HangReport, Observation, SupervisorPolicy
+from elasticd.agent.policy import Decision, GroupState, HangReport, SupervisorPolicy
 from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.reconfig import Reconfigurations
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.spares import Sizing
 from elasticd.agent.stragglers import StragglerDetector
-from elasticd.errors import EXIT_REJOIN
+from elasticd.board import Phase
 from elasticd.etcd.client import EtcdError
 from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
@@ -52,15 +52,11 @@ _TOKEN_KEY = "elasticd/token"
 # within seconds (the round's store waits are bounded by its members' keep-alive: RoundAbandonedError); this only
 # bounds a member that is alive but never writes.
 _MEMBERSHIP_TIMEOUT_S = 60
-# Seconds between reads of the run's drain request; each read is one etcd get.
-_CONTROL_POLL_S = 1.0
 # Seconds between two etcd_unavailable warnings while etcd stays away.
 _ETCD_WARN_INTERVAL_S = 10.0
 # Seconds between telling the group of a hang whose culprits are here and killing them: the others abandon their
 # collective on the notice (their failure watch pushes it to the hook) rather than on the reset, so they count a hang.
 _HANG_NOTICE_S = 0.1
-# Seconds between straggler checks, which also publish this node's per-rank own times and read the other nodes'.
-_STRAGGLER_POLL_S = 2.0
 
 
 class ElasticdAgent(LocalElasticAgent):
@@ -121,7 +117,6 @@ class ElasticdAgent(LocalElasticAgent):
         self.joined_in_place = False  # this node came into the run by joining a group in place (ever)
         self._announce_leaving = announce_leaving  # hot recovery: this node's workers leave their group in place
         self._group_nodes = group_nodes  # the nodes of the group that trains in place now (None: none does)
-        self._handled_hangs: set[str] = set()  # hangs (claim names) this node acted on: never twice
         self._checkpoint_timeout_s = checkpoint_timeout_s
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
@@ -132,6 +127,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._workers_started_at = clock()
         self._etcd_warned = -_ETCD_WARN_INTERVAL_S
         self.sizing = sizing or Sizing()
+        self.controller: Controller | None = None  # the loop, once the workers run (_invoke_run)
 
     @property
     def log(self) -> Any:
@@ -275,7 +271,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._round_token = token
         return token
 
-    def _lineage_lost(self) -> bool:
+    def lineage_lost(self) -> bool:
         """True when the workers' token is no longer the run's: etcd lost its data, or a newer group took over."""
         if self._lineage is None or self.token is None:
             return False
@@ -377,122 +373,141 @@ class ElasticdAgent(LocalElasticAgent):
             return
         super()._exit_barrier()
 
-    # -- the loop ------------------------------------------------------------------------------------------------
+    # -- the loop: a controller steps over this agent (controller.Node) -------------------------------------------
 
     def _invoke_run(self, role: str = "default") -> RunResult:
-        worker_group = self._worker_group
-        spec = worker_group.spec
-        self._initialize_workers(worker_group)
-        next_control_poll = next_straggler_poll = 0.0
-        drain = False
+        spec = self._worker_group.spec
+        self._initialize_workers(self._worker_group)
+        self.controller = Controller(self, self._policy, self._clock)
         while True:
-            self.graceful = True
             time.sleep(spec.monitor_interval)
-            result = self._monitor_workers(worker_group)
-            worker_group.state = result.state
-            now = self._clock()
-            state = _group_state(result.state)
-            suspicion = self.hangs.check() if self.hangs is not None and state is GroupState.HEALTHY else None
-            peer_hang = lineage_lost = False
-            if now >= next_control_poll:
-                drain = drain or self._poll(self._drain_requested, False)
-                lineage_lost = state is GroupState.HEALTHY and self._lineage_lost()
-                # a node still waiting to join in place has no part in the group's hangs; a hang handled once is done
-                waiting_to_join = self.joining is not None and not self.regrouped_in_place
-                if self.hangs is not None and state is GroupState.HEALTHY and not waiting_to_join:
-                    claim = self._poll(lambda: self.hangs.peer_claim(self.round or 0), None)  # type: ignore[union-attr]
-                    peer_hang = claim is not None and claim not in self._handled_hangs
-                next_control_poll = now + _CONTROL_POLL_S
-            if now >= next_straggler_poll and state is GroupState.HEALTHY:
-                self._check_stragglers(now)
-                next_straggler_poll = now + _STRAGGLER_POLL_S
-            hang = self._on_hang(worker_group, suspicion) if suspicion is not None or peer_hang else None
-            if hang is not None and hang.path:
-                self._handled_hangs.add(Path(hang.path).name)
-            if hang is not None and hang.attempt == 0:
-                # not a counted hang (a lost node, an evicted one): a worker that exited meanwhile is a failure
-                again = self._monitor_workers(worker_group)
-                if _group_state(again.state) is GroupState.FAILED:
-                    result, state, hang = again, GroupState.FAILED, None
-                    worker_group.state = again.state
-            # a worker on its way out (an exception escaped) is a failure about to be reported: no join first
-            failing = state is GroupState.HEALTHY and self.hangs is not None and self.hangs.exiting()
-            waiting = (
-                self._poll(spec.rdzv_handler.num_nodes_waiting, 0) if state is GroupState.HEALTHY and not failing else 0
-            )
-            fatal = self.reports.fatal
-            decision = self._policy.decide(
-                Observation(
-                    state,
-                    waiting,
-                    drain_requested=drain,
-                    leave_requested=self.leave_requested,
-                    restarts_left=self._remaining_restarts,
-                    peer_checkpointed=state is GroupState.HEALTHY and self.reports.all_saved(),
-                    fatal_message=fatal.message if fatal else "",
-                    hang=hang,
-                    lineage_lost=lineage_lost,
-                    resize=self._poll(partial(self.sizing.reform_needed, state, result.failures), False),
-                    hang_elsewhere=hang is not None
-                    and bool(hang.culprit_nodes)
-                    and self._node_id not in hang.culprit_nodes
-                    and self.reports.all_in_place(),
-                    rejoin=bool(result.failures) and all(f.exitcode == EXIT_REJOIN for f in result.failures.values()),
-                )
-            )
-            if decision.action is Action.CONTINUE:
-                if decision.reason == "hang_in_place" and hang is not None and self.hangs is not None:
-                    watchdog = self.hangs.watchdog
-                    watchdog.excuse(self._clock() + watchdog.startup_s)
-                    self._log.info("hang_left_to_culprits", culprit_nodes=list(hang.culprit_nodes), step=hang.step)
-                continue
-            self.graceful = decision.planned  # a second signal while we act ends the daemon at once
-            if state is GroupState.FAILED:
-                self._log_failures(result)
-            left_in_place = decision.action is Action.LEAVE and self._leave_in_place(worker_group)
-            if decision.planned and state is GroupState.HEALTHY and not left_in_place:
-                self._checkpoint_first(worker_group, decision.reason)
-            if hang is not None:
-                self._tell_group_of_hang(hang)
-                self._kill_local_workers()  # hung or stopped processes ignore torch's SIGTERM for its 30 s grace
-            if decision.action is Action.RESTART:
-                # joining in place did not work out: next time through the rendezvous
-                self._through_rendezvous = self.joining is not None and not self.regrouped_in_place
-                self.progress.fault()
-                if decision.counts_as_restart:
-                    self._remaining_restarts -= 1
-                self._metrics.worker_restarts_total.labels(reason=decision.reason).inc()
-                self._log.info(
-                    "restart", reason=decision.reason, restarts_left=self._remaining_restarts, nodes_waiting=waiting
-                )
-                self._registry.update(state="restarting")
-                self._restart_workers(worker_group)
-                continue
-            if decision.action is Action.FINISH:
-                self._log.info("workers_finished")
-                self._registry.update(state="finished")
-                self._exit_barrier()
+            result = self.controller.step()
+            if result is not None:
                 return result
-            if decision.action in (Action.DRAIN, Action.LEAVE):
-                self.left = decision.action is Action.LEAVE
-                self._log.info("draining", scope="node" if self.left else "run")
-                self._metrics.worker_restarts_total.labels(reason="drain").inc()
-                self._registry.update(state="draining")
-                self._stop_workers(worker_group)
-                worker_group.state = WorkerState.STOPPED
-                self.drained = True
-                # torch's run() records an event per worker and expects each in the result.
-                stopped = {w.global_rank: None for w in worker_group.workers}
-                return RunResult(state=WorkerState.SUCCEEDED, return_values=stopped)
-            self.stop_message = decision.message
-            self.exit_code = fatal.exit_code if fatal else 1
-            self._log.error("gave_up", reason=decision.reason, message=decision.message)
-            self._registry.update(state="failed")
-            self._stop_workers(worker_group)
-            worker_group.state = WorkerState.FAILED
-            # torch's run() records an event per worker: each must be a failure or a return value.
-            others = {w.global_rank: None for w in worker_group.workers if w.global_rank not in result.failures}
-            return RunResult(state=WorkerState.FAILED, failures=result.failures, return_values=others)
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    def monitor(self) -> RunResult:
+        worker_group = self._worker_group
+        result = self._monitor_workers(worker_group)
+        worker_group.state = result.state
+        return result
+
+    def hang_suspicion(self) -> Any | None:
+        return self.hangs.check() if self.hangs is not None else None
+
+    def drain_requested(self) -> bool:
+        return bool(self._poll(self._drain_requested, False))
+
+    def waiting_to_join(self) -> bool:
+        return self.joining is not None and not self.regrouped_in_place
+
+    def peer_hang_claim(self) -> str | None:
+        hangs = self.hangs
+        return None if hangs is None else self._poll(lambda: hangs.peer_claim(self.round or 0), None)
+
+    def diagnose_hang(self, suspicion: Any | None) -> HangReport | None:
+        return self._on_hang(self._worker_group, suspicion)
+
+    def workers_exiting(self) -> bool:
+        return self.hangs is not None and self.hangs.exiting()
+
+    def nodes_waiting(self) -> int:
+        return int(self._poll(self._worker_group.spec.rdzv_handler.num_nodes_waiting, 0))
+
+    def fatal(self) -> tuple[str, int] | None:
+        fatal = self.reports.fatal
+        return (fatal.message, fatal.exit_code) if fatal else None
+
+    def restarts_left(self) -> int:
+        return int(self._remaining_restarts)
+
+    def all_saved(self) -> bool:
+        return self.reports.all_saved()
+
+    def all_in_place(self) -> bool:
+        return self.reports.all_in_place()
+
+    def resize_needed(self, state: GroupState, failures: dict[int, Any]) -> bool:
+        return bool(self._poll(partial(self.sizing.reform_needed, state, failures), False))
+
+    def worker_phases(self) -> list[Phase]:
+        if self.hangs is None:
+            return []
+        return [slot.phase for slot in self.hangs.watchdog.slots().values() if slot is not None]
+
+    def set_graceful(self, graceful: bool) -> None:
+        self.graceful = graceful
+
+    def publish_state(self, state: NodeState) -> None:
+        self._registry.update(state=state.value)
+
+    def check_stragglers(self, now: float) -> None:
+        self._check_stragglers(now)
+
+    def leave_hang_to_culprits(self, hang: HangReport) -> None:
+        if self.hangs is not None:
+            watchdog = self.hangs.watchdog
+            watchdog.excuse(self._clock() + watchdog.startup_s)
+        self._log.info("hang_left_to_culprits", culprit_nodes=list(hang.culprit_nodes), step=hang.step)
+
+    def log_failures(self, result: RunResult) -> None:
+        for global_rank, failure in sorted(result.failures.items()):
+            self._log.warning(
+                "worker_failed",
+                rank=global_rank,
+                local_rank=failure.local_rank,
+                pid=failure.pid,
+                exitcode=failure.exitcode,
+                signal=failure.signal_name() if failure.exitcode < 0 else None,
+            )
+
+    def leave_in_place(self) -> bool:
+        return self._leave_in_place(self._worker_group)
+
+    def checkpoint_first(self, reason: str) -> None:
+        self._checkpoint_first(self._worker_group, reason)
+
+    def restart(self, decision: Decision, nodes_waiting: int) -> None:
+        # joining in place did not work out: next time through the rendezvous
+        self._through_rendezvous = self.joining is not None and not self.regrouped_in_place
+        self.progress.fault()
+        if decision.counts_as_restart:
+            self._remaining_restarts -= 1
+        self._metrics.worker_restarts_total.labels(reason=decision.reason).inc()
+        self._log.info(
+            "restart", reason=decision.reason, restarts_left=self._remaining_restarts, nodes_waiting=nodes_waiting
+        )
+        self._restart_workers(self._worker_group)
+
+    def finish(self) -> None:
+        self._log.info("workers_finished")
+        self._exit_barrier()
+
+    def drain(self, *, leave: bool) -> RunResult:
+        worker_group = self._worker_group
+        self.left = leave
+        self._log.info("draining", scope="node" if leave else "run")
+        self._metrics.worker_restarts_total.labels(reason="drain").inc()
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        self.drained = True
+        # torch's run() records an event per worker and expects each in the result.
+        stopped = {w.global_rank: None for w in worker_group.workers}
+        return RunResult(state=WorkerState.SUCCEEDED, return_values=stopped)
+
+    def give_up(self, decision: Decision, exit_code: int, result: RunResult) -> RunResult:
+        worker_group = self._worker_group
+        self.stop_message = decision.message
+        self.exit_code = exit_code
+        self._log.error("gave_up", reason=decision.reason, message=decision.message)
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.FAILED
+        # torch's run() records an event per worker: each must be a failure or a return value.
+        others = {w.global_rank: None for w in worker_group.workers if w.global_rank not in result.failures}
+        return RunResult(state=WorkerState.FAILED, failures=result.failures, return_values=others)
 
     def _on_hang(self, worker_group: WorkerGroup, suspicion: Any) -> HangReport | None:
         assert self.hangs is not None
@@ -531,7 +546,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.info("leaving_in_place", group_nodes=nodes)
         deadline = self._clock() + self._checkpoint_timeout_s
         while self._clock() < deadline:
-            state = _group_state(self._monitor_workers(worker_group).state)
+            state = group_state(self._monitor_workers(worker_group).state)
             if state is GroupState.SUCCEEDED:
                 return True
             if state is GroupState.FAILED:
@@ -540,7 +555,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.warning("leave_in_place_unanswered", timeout_s=self._checkpoint_timeout_s)
         return False
 
-    def _tell_group_of_hang(self, hang: HangReport) -> None:
+    def tell_group_of_hang(self, hang: HangReport) -> None:
         """This node holds a culprit of a hang and its workers re-form in place: tell the group first, so that the
         others abandon the collective they wait in (and count a hang, not a failure) before the kill resets it."""
         membership = self._membership
@@ -550,7 +565,7 @@ class ElasticdAgent(LocalElasticAgent):
         if self._poll(lambda: membership.notify_group(text), False):
             time.sleep(_HANG_NOTICE_S)
 
-    def _kill_local_workers(self) -> None:
+    def kill_workers(self) -> None:
         """SIGKILL each worker's process group: a stopped or wedged process ignores the polite signals."""
         pcontext = self._pcontext
         if pcontext is None:
@@ -610,7 +625,7 @@ class ElasticdAgent(LocalElasticAgent):
                     os.kill(pid, signal.SIGUSR2)
             deadline = self._clock() + self._checkpoint_timeout_s
             while not self.reports.all_saved() and self._clock() < deadline:
-                if _group_state(self._monitor_workers(worker_group).state) is not GroupState.HEALTHY:
+                if group_state(self._monitor_workers(worker_group).state) is not GroupState.HEALTHY:
                     break
                 time.sleep(0.05)
         step = self.reports.saved_step()
@@ -634,22 +649,3 @@ class ElasticdAgent(LocalElasticAgent):
                 self._etcd_warned = now
                 self._log.warning("etcd_unavailable", error=str(exc) or type(exc).__name__)
             return fallback
-
-    def _log_failures(self, result: RunResult) -> None:
-        for global_rank, failure in sorted(result.failures.items()):
-            self._log.warning(
-                "worker_failed",
-                rank=global_rank,
-                local_rank=failure.local_rank,
-                pid=failure.pid,
-                exitcode=failure.exitcode,
-                signal=failure.signal_name() if failure.exitcode < 0 else None,
-            )
-
-
-def _group_state(state: WorkerState) -> GroupState:
-    if state is WorkerState.SUCCEEDED:
-        return GroupState.SUCCEEDED
-    if state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
-        return GroupState.FAILED
-    return GroupState.HEALTHY
