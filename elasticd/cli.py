@@ -64,7 +64,8 @@ def _option(flag: str, *dest: str, **kwargs: Any) -> Callable[[Any], Any]:
     name = flag.lstrip("-")
     if kwargs.get("type") is float:
         kwargs["type"] = FiniteFloat()
-    return click.option(flag, *dest, envvar=_env(name), show_envvar=True, show_default=True, **kwargs)
+    kwargs.setdefault("show_default", True)
+    return click.option(flag, *dest, envvar=_env(name), show_envvar=True, **kwargs)
 
 
 def _load_config(ctx: click.Context, _param: click.Parameter, value: str | None) -> str | None:
@@ -129,10 +130,7 @@ _config_option = click.option(
 )
 
 
-@cli.command(
-    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
-    no_args_is_help=True,
-)
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @_config_option
 @_option("--min-nodes", type=int, default=1, help="Fewest nodes the job runs with.")
 @_option("--max-nodes", type=int, default=1, help="Most nodes the job grows to.")
@@ -182,6 +180,13 @@ _config_option = click.option(
 @_option("--rdzv-conf", default="", help="Rendezvous timing, e.g. last_call_timeout=2,keep_alive_interval=1.")
 @_option("--metrics-port", type=int, default=9400, help="Prometheus endpoint port; 0 disables.")
 @_option("--metrics-addr", default="127.0.0.1", help="Address the metrics endpoint binds.")
+@_option(
+    "--accelerate-config",
+    type=click.Path(dir_okay=False),
+    default=None,
+    show_default="accelerate's default, where `accelerate config` writes it",
+    help="accelerate's config file: the workers get the environment `accelerate launch` would give them.",
+)
 @_option("--log-format", type=click.Choice(["json", "console"]), default=None, help="Default: console on a TTY.")
 @click.argument("script", type=click.Path(dir_okay=False))
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
@@ -215,12 +220,14 @@ def _with_etcd_opts(func: Callable[..., Any]) -> Callable[..., Any]:
 @cli.command()
 @_with_etcd_opts
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def status(etcd: str, run_id: str, etcd_connect_timeout_s: float, as_json: bool, **access: Any) -> None:
+@click.option("--watch", is_flag=True, help="A live view, redrawn every second until Ctrl-C.")
+def status(etcd: str, run_id: str, etcd_connect_timeout_s: float, as_json: bool, watch: bool, **access: Any) -> None:
     """Show a run: nodes, round, world size, step, last checkpoint, health."""
     from elasticd.config import access_from_options
     from elasticd.status import show_status
 
-    sys.exit(show_status(etcd, run_id, etcd_connect_timeout_s, as_json=as_json, access=access_from_options(access)))
+    options = access_from_options(access)
+    sys.exit(show_status(etcd, run_id, etcd_connect_timeout_s, as_json=as_json, access=options, watch=watch))
 
 
 @cli.command()
@@ -249,6 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         cli.main(args=argv, prog_name="elasticd", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as exc:
         click.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        return EXIT_USAGE
+    except click.MissingParameter as exc:
+        if exc.ctx is not None and isinstance(exc.param, click.Argument):  # e.g. `elasticd start` without a script
+            click.echo(exc.ctx.get_usage(), err=True)
+            click.echo(f"Try '{exc.ctx.command_path} --help' for the options.", err=True)
+        _error(exc.format_message())
         return EXIT_USAGE
     except click.UsageError as exc:  # includes BadParameter, from flags and env alike
         _error(exc.format_message())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from elasticd.accelerate_env import precheck
 from elasticd.errors import ConfigError
 from elasticd.etcd.access import EtcdAccess, resolve_access
 from elasticd.etcd.endpoints import Endpoint, parse_endpoints
@@ -69,6 +70,7 @@ class StartConfig:
     metrics_addr: str = "127.0.0.1"
     log_format: LogFormat | None = None  # None: console on a TTY, JSON otherwise
     rdzv_conf: tuple[tuple[str, str], ...] = ()
+    accelerate_config: Path | None = None  # None: accelerate's default file, if there is one
 
     @property
     def embedded_etcd(self) -> bool:
@@ -237,8 +239,14 @@ def build_start_config(values: dict[str, object]) -> StartConfig:
     if connect <= 0:
         raise ConfigError("--etcd-connect-timeout", f"must be > 0 seconds, got {connect}")
 
+    accelerate_text = values.get("accelerate_config")
+    accelerate_config = Path(str(accelerate_text)) if accelerate_text else None
+    if accelerate_config is not None:
+        precheck(accelerate_config)
+
     return StartConfig(
         script=script,
+        accelerate_config=accelerate_config,
         script_args=tuple(str(a) for a in values.get("script_args") or ()),  # type: ignore[attr-defined]
         min_nodes=min_nodes,
         max_nodes=max_nodes,

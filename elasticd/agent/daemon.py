@@ -12,12 +12,14 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from elasticd import __version__, envvars, rundir
+from elasticd.accelerate_env import default_threads, physical_cores, worker_environment
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
@@ -107,12 +109,21 @@ def run_daemon(cfg: StartConfig) -> int:
         if alone and (removed := clear_finished_run(client, keys)):
             log.info("previous_run_cleared", removed=removed)
 
+        has_gpu = _has_gpu()
+        accelerate = worker_environment(
+            cfg.accelerate_config, nproc_per_node=cfg.nproc_per_node, max_nodes=cfg.max_nodes, has_gpu=has_gpu
+        )
+        if accelerate.path is not None:
+            log.info("accelerate_config", path=str(accelerate.path), env=dict(accelerate.env))
+        for line in accelerate.overridden:
+            log.info("accelerate_setting_overridden", setting=line)
+
         runtime_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
         stack.callback(shutil.rmtree, runtime_dir, ignore_errors=True)
         socket_path = str(runtime_dir / "beats.sock")
         board_dir = runtime_dir / "board"
         board_dir.mkdir()
-        _export_worker_env(cfg, socket_path, endpoints, board_dir)
+        _export_worker_env(cfg, socket_path, endpoints, board_dir, accelerate.env, has_gpu, log)
         if local_addr:
             os.environ[envvars.LOCAL_ADDR] = local_addr
         if cfg.recovery == "hot":
@@ -291,8 +302,18 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
         signal.signal(sig, on_signal)
 
 
-def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str, board_dir: Path) -> None:
-    """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us."""
+def _export_worker_env(
+    cfg: StartConfig,
+    socket_path: str,
+    endpoints: str,
+    board_dir: Path,
+    accelerate: Mapping[str, str],
+    has_gpu: bool,
+    log: Any,
+) -> None:
+    """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us,
+    and from accelerate's config file (``accelerate``: what ``accelerate launch`` would set)."""
+    os.environ.update(accelerate)
     os.environ.update(
         {
             envvars.SOCKET: socket_path,
@@ -315,7 +336,18 @@ def _export_worker_env(cfg: StartConfig, socket_path: str, endpoints: str, board
         os.environ.setdefault(name, value)  # the user's own settings win
     # a worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-    if not _has_gpu():
+    if "OMP_NUM_THREADS" not in os.environ:
+        cores = physical_cores()
+        threads = default_threads(cfg.nproc_per_node, has_gpu=has_gpu, cpu_cores=cores)
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+            log.info(
+                "worker_threads",
+                omp_num_threads=threads,
+                message=f"OMP_NUM_THREADS={threads} per worker ({cores} physical cores, {cfg.nproc_per_node} workers);"
+                " set OMP_NUM_THREADS or accelerate's num_cpu_threads_per_process to choose",
+            )
+    if not has_gpu:
         # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
         # worker then trains alone without a word (accelerate's state.py, _prepare_backend).
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
@@ -331,10 +363,11 @@ def _torch_diagnostics_env(cfg: StartConfig) -> dict[str, str]:
     hang_s = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else AUTO_CAP_S
     diagnostics = cfg.checkpoint_dir.resolve() / cfg.run_id / "diagnostics" / "nccl"
     return {
+        # torch's current names (TORCH_NCCL_TRACE_BUFFER_SIZE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE are deprecated
+        # aliases: torch warns from every worker that sees them)
         "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{diagnostics}/trace-rank-",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{diagnostics}/trace-rank-",
         "TORCH_NCCL_ENABLE_MONITORING": "1",
         "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(max(480, 2 * hang_s + 60))),
     }

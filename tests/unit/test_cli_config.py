@@ -87,6 +87,20 @@ def test_bad_flag_is_one_line_and_exit_2(
     assert captured_config == []
 
 
+@pytest.mark.parametrize("args", [[], ["--min-nodes", "2"]])
+def test_start_without_a_script_is_a_three_line_usage_error(
+    args: list[str], captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run_cli(["start", *args], capsys)
+    assert code == 2
+    assert err.splitlines() == [
+        "Usage: elasticd start [OPTIONS] SCRIPT [SCRIPT_ARGS]...",
+        "Try 'elasticd start --help' for the options.",
+        "elasticd: error: Missing argument 'SCRIPT'.",
+    ]
+    assert captured_config == []
+
+
 def test_missing_script_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = run_cli(["start", str(tmp_path / "nope.py")], capsys)
     assert_one_line_error(code, err, "nope.py", "does not exist")
