@@ -20,7 +20,7 @@ from rich.table import Table
 from elasticd.agent.registry import read_nodes
 from elasticd.errors import EXIT_OK, ConfigError
 from elasticd.etcd.access import EtcdAccess
-from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys, validate_run_id
 
@@ -75,20 +75,33 @@ def _run_health(nodes: list[dict[str, Any]]) -> str:
         return "degraded"
     if all(n["health"] == "spare" for n in nodes):
         return "waiting"  # no node count present splits the global batch: nobody trains until one joins
-    if all(n["health"] in {"ok", "spare"} for n in nodes):
+    # a node whose workers wait, warm, to be admitted in place changes nothing until they are
+    if all(n["health"] in {"ok", "spare", "joining"} for n in nodes):
         return "ok"
     return "changing"
 
 
 def show_status(
-    etcd: str, run_id: str, connect_timeout_s: float, *, as_json: bool, access: EtcdAccess | None = None
+    etcd: str,
+    run_id: str,
+    connect_timeout_s: float,
+    *,
+    as_json: bool,
+    access: EtcdAccess | None = None,
+    watch: bool = False,
 ) -> int:
     if (why := validate_run_id(run_id)) is not None:
         raise ConfigError("--run-id", f"{run_id!r}: {why}")
+    if watch and as_json:
+        raise ConfigError("--watch", "draws a live view for a terminal; --json prints one snapshot for scripts")
     client = EtcdClient.connect(
         parse_endpoints(etcd), connect_timeout_s=connect_timeout_s, **(access or EtcdAccess()).connect_kwargs()
     )
     try:
+        if watch:
+            from elasticd.status_watch import run_watch
+
+            return run_watch(lambda: _collect_or_unreachable(client, run_id))
         status = collect_status(client, run_id)
     finally:
         client.close()
@@ -97,6 +110,16 @@ def show_status(
     else:
         _render(status)
     return EXIT_OK
+
+
+def _collect_or_unreachable(client: EtcdClient, run_id: str) -> dict[str, Any]:
+    """A watch frame: while etcd is away the view says so and keeps trying."""
+    try:
+        return collect_status(client, run_id)
+    except EtcdError as exc:
+        status = summarize(run_id, [], None)
+        status["health"] = f"etcd unreachable ({' '.join(str(exc).split())[:80]})"
+        return status
 
 
 def _render(status: dict[str, Any], console: Console | None = None) -> None:

@@ -8,6 +8,7 @@ how many steps were lost.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -87,6 +88,10 @@ class ProgressTracker:
             m.checkpoint_failures_total.labels(reason="fenced").inc()
             self._log().warning("checkpoint_fenced", step=beat.get("step"))
 
+    def _goodput(self, now: float) -> float:
+        """Productive step time over wall time since the start (the node's view; elasticd_goodput_ratio)."""
+        return min(1.0, self._productive_s / max(now - self._started, 1e-9))
+
     def _checkpoint_failed(self, beat: dict[str, Any]) -> None:
         """A worker's save failed: the daemon's event log says which rank, why (the OS error: errno, path) and that
         training goes on; the failure counts once per save, however many local ranks report it."""
@@ -129,7 +134,7 @@ class ProgressTracker:
                 if span > 0 and new > 0:
                     self._productive_s += float(beat.get("train_s", beat["step_time_s"])) * new / span
                 self._beat_step, self._high_water = step, max(self._high_water, step)
-                m.goodput_ratio.set(min(1.0, self._productive_s / max(now - self._started, 1e-9)))
+                m.goodput_ratio.set(self._goodput(now))
         with self._lock:
             fault_at, self._fault_at = self._fault_at, None
             write = now - self._registry_written >= REGISTRY_STEP_INTERVAL_S
@@ -140,4 +145,8 @@ class ProgressTracker:
             m.recovery_duration_seconds.observe(recovery_s)
             self._log().info("recovered", step=step, recovery_s=round(recovery_s, 3))
         if write:
-            self._registry.update(last_step=step)
+            fields: dict[str, Any] = {"last_step": step, "goodput": round(self._goodput(now), 4)}
+            for key, field in (("loss", "loss"), ("step_time_s", "step_s")):
+                if isinstance(beat.get(key), int | float) and math.isfinite(beat[key]):
+                    fields[field] = round(float(beat[key]), 6)
+            self._registry.update(**fields)

@@ -32,10 +32,17 @@ class Reconfigurations:
     agent's current event logger (it is re-bound each round).
     """
 
-    def __init__(self, metrics: Metrics, update_registry: Callable[..., None], log: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        update_registry: Callable[..., None],
+        log: Callable[[], Any],
+        note: Callable[..., None] | None = None,
+    ) -> None:
         self._metrics = metrics
         self._update_registry = update_registry
         self._log = log
+        self._note = note or (lambda kind, **fields: None)  # the registry's recent changes (NodeRegistry.note)
 
     def on_beat(self, beat: dict[str, Any]) -> None:
         """Called for every beat of every local worker; a change counts once per node (local rank 0's beat)."""
@@ -85,6 +92,10 @@ class Reconfigurations:
             rank=beat.get("rank"),
         )
         lost = beat.get("lost_nodes")
+        lost_nodes = [str(node) for node in lost] if isinstance(lost, list) else []
+        self._note(
+            "reformed", reason=str(reason), seconds=seconds, world_size=world_size, lost_nodes=lost_nodes or None
+        )
         if isinstance(lost, list):
             for node in lost:
                 # the same event as after a rendezvous that lost a node: operators follow one name either way
@@ -93,6 +104,7 @@ class Reconfigurations:
     def _fallback(self, beat: dict[str, Any]) -> None:
         reason = str(beat.get("reason"))
         self._metrics.hot_fallbacks_total.labels(reason=fallback_label(reason)).inc()
+        self._note("fallback", reason=reason)
         self._log().warning("hot_fallback", reason=reason, message=beat.get("message"), rank=beat.get("rank"))
 
 

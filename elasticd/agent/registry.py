@@ -38,6 +38,9 @@ _CLAIM_POLL_S = 0.2
 # measure here may be request latency, not time the server saw pass.
 _LATENCY_MARGIN_S = 0.25
 
+# Changes kept in a node's record for `elasticd status --watch` (each is one line there).
+RECENT_KEPT = 5
+
 
 class NodeRegistry:
     """Claims, updates and releases this node's record."""
@@ -122,6 +125,14 @@ class NodeRegistry:
             self._client.put(self._key, self._encode(), lease_id=lease)
         except EtcdError as exc:
             self._log.warning("registry_update_failed", error=str(exc))
+
+    def note(self, kind: str, **fields: Any) -> None:
+        """Add a change (a restart, a re-formation in place, a fallback) to the record's ``recent``, newest last and
+        at most :data:`RECENT_KEPT` (``elasticd status --watch`` shows them)."""
+        entry = {"at": round(time.time(), 3), "kind": kind, **{k: v for k, v in fields.items() if v is not None}}
+        with self._lock:
+            recent = [*self._record.get("recent", []), entry][-RECENT_KEPT:]
+        self.update(recent=recent)
 
     def start_keepalive(self) -> None:
         self._thread = threading.Thread(target=self._keepalive, name="elasticd-registry", daemon=True)

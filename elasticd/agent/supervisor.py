@@ -121,7 +121,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.reports = WorkerReports()
         self.stragglers = stragglers or StragglerDetector(factor=0, window_s=30)
         self.progress = ProgressTracker(metrics, registry, self.reports, lambda: self._log, clock, self.stragglers)
-        self.reconfigurations = Reconfigurations(metrics, registry.update, lambda: self._log)
+        self.reconfigurations = Reconfigurations(metrics, registry.update, lambda: self._log, note=registry.note)
         self.hangs = hangs
         self._read_peers = read_peers
         self._workers_started_at = clock()
@@ -477,6 +477,7 @@ class ElasticdAgent(LocalElasticAgent):
         if decision.counts_as_restart:
             self._remaining_restarts -= 1
         self._metrics.worker_restarts_total.labels(reason=decision.reason).inc()
+        self._registry.note("restart", reason=decision.reason)
         self._log.info(
             "restart", reason=decision.reason, restarts_left=self._remaining_restarts, nodes_waiting=nodes_waiting
         )

@@ -215,3 +215,20 @@ def test_a_workers_beats_reach_the_counts_through_the_real_beat_socket(tmp_path:
     assert value(prom, "elasticd_reconfigurations_total", reason="failure") == 1
     assert value(prom, "elasticd_hot_fallbacks_total", reason="reform_failed") == 1
     assert registry.record == {"epoch": 4, "world_size": 6, "nodes": 3}
+
+
+def test_each_change_is_noted_once_per_node_for_the_live_view() -> None:
+    notes: list[tuple[str, dict[str, Any]]] = []
+    reconfigurations = Reconfigurations(
+        Metrics.create(CollectorRegistry()),
+        Registry().update,
+        lambda: get_logger(node_id="n1"),
+        note=lambda kind, **fields: notes.append((kind, fields)),
+    )
+    reconfigurations.on_beat(reconfigured(lost_nodes=["n3"]))
+    reconfigurations.on_beat(reconfigured(local_rank=1, lost_nodes=["n3"]))  # the same change, seen by another rank
+    reconfigurations.on_beat({"kind": "hot_fallback", "local_rank": 0, "reason": "reform_failed", "message": "m"})
+    assert notes == [
+        ("reformed", {"reason": "failure", "seconds": 0.14, "world_size": 6, "lost_nodes": ["n3"]}),
+        ("fallback", {"reason": "reform_failed"}),
+    ]

@@ -24,6 +24,11 @@ def test_a_run_whose_nodes_are_all_spares_is_waiting() -> None:
     assert _run_health(nodes("spare", "spare", "spare")) == "waiting"
 
 
+def test_a_node_waiting_to_join_in_place_keeps_the_run_ok_and_one_re_forming_is_a_change() -> None:
+    assert _run_health(nodes("running", "running", "joining")) == "ok"
+    assert _run_health(nodes("running", "reforming")) == "changing"
+
+
 def test_a_failed_node_still_degrades_a_run_with_spares_and_a_restart_is_a_change() -> None:
     assert _run_health(nodes("running", "spare", "failed")) == "degraded"
     assert _run_health(nodes("restarting", "spare")) == "changing"
