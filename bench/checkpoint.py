@@ -16,6 +16,11 @@ directory on the local disk (removed at the end), alternately blocking (``asynch
 Prints a table of medians and the ratio of background to blocking ``blocking_s`` (target: at most 10 %).
 
     python bench/checkpoint.py [--repeats 5] [--ranks 1 2] [--params 50e6] [--steps 4] [--json OUT] [--dir TMPDIR]
+    python bench/checkpoint.py --model text-classifier   # examples/text_classification.py's transformers model
+
+``--model text-classifier`` saves the example's BERT-style classifier instead (built from its config, AdamW after
+one step on random token ids; the model goes into ``model.safetensors`` as for any transformers model), at
+``--model-size tiny`` (the example's default) or ``base`` (BERT-base's geometry); ``--params`` then does not apply.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="saves of each kind per ranks setting")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="process counts to measure")
     parser.add_argument("--params", type=float, default=50e6, help="approximate model parameter count")
+    parser.add_argument("--model", choices=["linear-stack", "text-classifier"], default="linear-stack")
+    parser.add_argument("--model-size", choices=["tiny", "base"], default="tiny", help="text-classifier: its size")
     parser.add_argument("--steps", type=int, default=4, help="training steps timed after each save")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--dir", type=Path, help="parent of the temporary checkpoint directory")
@@ -63,15 +70,14 @@ def worker(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     from elasticd.worker.saver import COMMITTED, CheckpointSaver
 
     accelerator = Accelerator(cpu=True)  # a CPU-only host ignores WORLD_SIZE without cpu=True
-    layers = max(1, round(args.params / (WIDTH * WIDTH + WIDTH)))
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    model, batch = _model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
 
     def train_step() -> float:
         start = time.perf_counter()
-        accelerator.backward(model(torch.randn(4, WIDTH)).pow(2).mean())
+        accelerator.backward(batch(model).pow(2).mean())
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
@@ -103,13 +109,34 @@ def worker(args: argparse.Namespace, checkpoint_dir: Path) -> None:
         args.worker.write_text(json.dumps({**samples, "checkpoint_bytes": size}))
 
 
+def _model(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The model to checkpoint, and a function that runs it forward on a random batch."""
+    import torch
+
+    if args.model == "text-classifier":
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "text_classification", REPO_ROOT / "examples" / "text_classification.py"
+        )
+        assert spec is not None and spec.loader is not None
+        example = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(example)
+        vocab = len(example.build_tokenizer())
+        ids = torch.randint(vocab, (4, example.MAX_LENGTH))
+        return example.build_model(vocab, 0, args.model_size), lambda model: model(input_ids=ids).logits
+    layers = max(1, round(args.params / (WIDTH * WIDTH + WIDTH)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers)])
+    return model, lambda model: model(torch.randn(4, WIDTH))
+
+
 def run(args: argparse.Namespace, ranks: int, workdir: Path) -> dict[str, Any]:
     """Measure at ``ranks`` processes in a child process tree; killed as a whole if it outlives RUN_TIMEOUT_S."""
     result = workdir / f"result-{ranks}.json"
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
     command = [sys.executable, *launcher, str(Path(__file__).resolve()), "--worker", str(result)]
     command += ["--dir", str(workdir / f"ranks-{ranks}"), "--params", str(args.params), "--repeats", str(args.repeats)]
-    command += ["--steps", str(args.steps)]
+    command += ["--steps", str(args.steps), "--model", args.model, "--model-size", args.model_size]
     # One intra-op thread per rank: ranks must not fight over the cores of a small machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
     child = subprocess.Popen(command, env=env, start_new_session=True)
@@ -169,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(rows))
     if args.json is not None:
         machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
-        args.json.write_text(json.dumps({"machine": machine, "repeats": args.repeats, "results": rows}, indent=1))
+        record = {"machine": machine, "model": args.model, "model_size": args.model_size, "repeats": args.repeats}
+        record["results"] = rows
+        args.json.write_text(json.dumps(record, indent=1))
     return 0
 
 

@@ -1,0 +1,58 @@
+"""examples/text_classification.py (a transformers classifier, bf16 from accelerate's config file) elastically: three
+nodes, one killed (the others re-form in place), a new one joins; every step once, the run resumes and finishes,
+and the model it trained classifies held-out sentences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.integration.cluster import ROOT, Cluster, read_json_lines
+from tests.integration.test_accelerate_config import WIZARD_CPU_BF16
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+EXAMPLE = ROOT / "examples" / "text_classification.py"
+STEPS = 120  # 3 epochs of 1920 sentences in global batches of 48
+
+
+def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(WIZARD_CPU_BF16)
+    model_dir = tmp_path / "trained"
+    args = ("--epochs", "3", "--dataset-size", "1920", "--sleep", "0.1", "--save-pretrained", str(model_dir))
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="text",
+        min_nodes=2,
+        max_nodes=3,
+        script=EXAMPLE,
+        script_args=args,
+        extra=("--accelerate-config", str(config)),
+    ) as c:
+        for name in ("tc-a", "tc-b", "tc-c"):
+            c.start(name)
+        c.wait_step(lambda s: s["world_size"] == 3 and s["step"] >= 10, timeout_s=150, what="3 workers at step 10")
+        # not rank 0's node: its step lines are the run's record (a killed rank 0 may print a step the others redo)
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in ("tc-a", "tc-b", "tc-c")}
+        victim = next(n for n, r in ranks.items() if r == 1)
+        c.nodes[victim].kill()
+        c.wait_step(lambda s: s["world_size"] == 2, timeout_s=60, what="2 workers after the kill")
+        c.start("tc-d")
+        c.wait_step(lambda s: s["world_size"] == 3 and s["step"] > 20, timeout_s=120, what="3 workers after the join")
+        for name in sorted({"tc-a", "tc-b", "tc-c", "tc-d"} - {victim}):
+            assert c.nodes[name].wait(200) == 0, c.diagnostics()
+
+        steps = c.all_steps()
+        assert sorted(s["step"] for s in steps) == list(range(1, STEPS + 1)), "a step printed twice or never"
+        assert {s["world_size"] for s in steps} == {2, 3}
+        assert all(s["world_size"] * s["accumulation"] * 8 == 48 for s in steps)  # the global batch holds
+        lines = [line for n in c.nodes.values() for line in read_json_lines(n.out)]
+        assert {e["mixed_precision"] for e in lines if e.get("event") == "start"} == {"bf16"}
+        (done,) = [e for e in lines if e.get("event") == "done"]
+        assert done["step"] == STEPS and done["accuracy"] >= 0.9, done
+        assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
+        committed = sorted((c.checkpoint_dir / "text").glob("step-*"))
+        assert committed and (committed[-1] / "model.safetensors").is_file()  # save_state's safetensors
