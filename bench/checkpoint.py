@@ -7,7 +7,8 @@ directory on the local disk (removed at the end), alternately blocking (``asynch
 (``asynchronous=True``), ``--repeats`` saves each, on 1 process and on 2 gloo ranks under torchrun. Per save:
 
 - ``blocking_s``: wall time of ``save()`` on rank 0, what the training loop waits for (blocking: the whole save;
-  background: the host-memory snapshot and one barrier);
+  background: the host-memory snapshot and one barrier; either: the wait for the previous background write when it
+  is still going, since nothing waits for a write between saves);
 - ``total_s``: from ``save()`` to the commit on rank 0 (files written, every file fsynced and hashed into the
   manifest, directory renamed), from the ``checkpoint_committed`` event;
 - ``step_s``: median time of the ``--steps`` training steps that follow each save (after a background save they
@@ -89,16 +90,21 @@ def worker(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     store = CheckpointStore(checkpoint_dir, "bench", keep=2)
     saver = CheckpointSaver(accelerator, store, on_event=lambda name, fields: events.append((name, fields)))
     samples: dict[str, Any] = {"blocking": [], "background": []}
+    timed: list[tuple[int, str, float, list[float]]] = []
     for step in range(1, 2 * args.repeats + 1):
-        kind = "blocking" if step <= args.repeats else "background"
+        kind = "blocking" if step % 2 else "background"  # alternately: both see the same machine state
         accelerator.wait_for_everyone()
         start = time.perf_counter()
+        # save() first waits for this rank's previous background write, if it is still going: that wait blocks the
+        # loop too, and is counted here (the benchmark never waits for a write between saves)
         saver.save(step, {"world_size": accelerator.num_processes}, asynchronous=kind == "background")
         blocking_s = time.perf_counter() - start
-        step_s = [train_step() for _ in range(args.steps)]  # after a background save: during its write
-        saver.wait(everyone=True)
-        if accelerator.is_main_process:
-            name, fields = events[-1]
+        timed.append((step, kind, blocking_s, [train_step() for _ in range(args.steps)]))
+    saver.wait(everyone=True)
+    if accelerator.is_main_process:
+        outcome = {int(fields["step"]): (name, fields) for name, fields in events if "step" in fields}
+        for step, kind, blocking_s, step_s in timed:
+            name, fields = outcome.get(step, ("missing", {}))
             if name != COMMITTED:
                 raise RuntimeError(f"save {step} ended in {name}: {fields}")
             samples[kind].append({"blocking_s": blocking_s, "total_s": fields["total_s"], "step_s": step_s})

@@ -525,7 +525,7 @@ def render(rows: dict[str, Any]) -> str:
         "hang -> first step s",
         "samples",
         "timeout s",
-        "bound/elasticd",
+        "assumed bound/elasticd",
     ]
     body = []
     for scenario in ("fixed", "auto"):
@@ -550,8 +550,9 @@ def render(rows: dict[str, Any]) -> str:
         body.append([LABELS["torchrun"], bound, "", "", f"> {GLOO_TIMEOUT_S:g} + restart", "", "gloo 1800", "-"])
     lines = [text_table(head, body), ""] if body else []
     lines.append(
-        "hang start: t of rank 0's step line for step 29; bound/elasticd: gloo's 1800 s collective timeout over the "
-        "elasticd median (detection / first step); *: others used > 0.25 cores"
+        "hang start: t of rank 0's step line for step 29; bound/elasticd: gloo's 1800 s collective timeout (an assumed "
+        "constant, not measured: torchrun was watched for 60 s only) over the elasticd median (detection / first "
+        "step); *: others used > 0.25 cores"
     )
     if (t := rows.get("torchrun")) is not None:
         lines.append(f"torchrun: {t['note']}")

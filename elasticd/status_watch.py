@@ -9,6 +9,9 @@ watching. The step rate is measured here, over the frames of the last :data:`RAT
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from elasticd.errors import EXIT_OK
 REFRESH_S = 1.0
 RATE_WINDOW_S = 10.0
 RECENT_SHOWN = 6
+_SLEEP_SLICES = 10
 
 
 @dataclass
@@ -115,21 +119,49 @@ def run_watch(
     sleep: Callable[[float], None] = time.sleep,
     frames: int | None = None,
 ) -> int:
-    """Redraw until Ctrl-C (or ``frames`` frames, for tests); exit 0."""
+    """Redraw until Ctrl-C (or ``frames`` frames, for tests); exit 0.
+
+    Ctrl-C only asks the loop to stop: it ends after the frame being drawn, never inside an etcd call (a
+    KeyboardInterrupt raised in gRPC's client code could leave the process unable to exit). A second Ctrl-C leaves
+    at once."""
+    stop = _StopOnInterrupt()
     watch = Watch()
     console = console or Console()
     drawn = 0
-    try:
-        with Live(console=console, auto_refresh=False, transient=False) as live:
-            while frames is None or drawn < frames:
-                status, now = collect(), clock()
-                watch.observe(status, now)
-                live.update(view(status, watch, now), refresh=True)
-                drawn += 1
-                sleep(REFRESH_S)
-    except KeyboardInterrupt:
-        pass
+    live = Live(console=console, auto_refresh=False, transient=False)
+    with stop, contextlib.suppress(KeyboardInterrupt), live:
+        while not stop.requested and (frames is None or drawn < frames):
+            status, now = collect(), clock()
+            watch.observe(status, now)
+            live.update(view(status, watch, now), refresh=True)
+            drawn += 1
+            for _ in range(_SLEEP_SLICES):  # short slices: a Ctrl-C is seen within a tenth of a second
+                if stop.requested:
+                    break
+                sleep(REFRESH_S / _SLEEP_SLICES)
     return EXIT_OK
+
+
+class _StopOnInterrupt:
+    """While entered (on the main thread): the first SIGINT sets ``requested``, the second raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def _handle(self, _signum: int, _frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self) -> _StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
 
 
 def _recent(nodes: list[dict[str, Any]], watch: Watch) -> list[str]:

@@ -85,12 +85,15 @@ def test_owner_that_never_reports_leaves_the_others_to_diagnose_alone(etcd_clien
     import elasticd.agent.agreement as module
 
     keys = RunKeys("lonely")
-    ticks = iter(range(0, 10_000))
-    b = HangAgreement(etcd_client, keys, "b", clock=lambda: float(next(ticks)), sleep=lambda _s: None)
+    now = [0.0]
+    b = HangAgreement(etcd_client, keys, "b", clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
     b.report(5, [replace(EVIDENCE, node="b")])
     summary = b.decide(5, ["a", "b"], owner=False, extra={})
+    assert summary is not None
     assert summary["nodes_reported"] == ["b"] and summary["nodes_missing"] == ["a"]
-    assert module.SUMMARY_WAIT_S > 0
+    # it waited for the owner's summary, then for a's report, each for its full time, and no longer
+    waited = module.SUMMARY_WAIT_S + module.REPORT_WAIT_S
+    assert waited <= now[0] <= waited + 2 * module._POLL_S
 
 
 def test_the_owner_never_waits_for_a_lost_node_and_names_it_without_counting_a_repeat(etcd_client: EtcdClient) -> None:

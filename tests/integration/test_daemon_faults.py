@@ -44,7 +44,7 @@ def test_worker_killed_with_sigkill_restarts_the_group_and_training_continues(et
 
         os.kill(victim[-1], signal.SIGKILL)
         restart = b.wait_event("restart", where=lambda e: e["reason"] == "failure")
-        assert restart["restarts_left"] >= 0
+        assert restart["restarts_left"] == 20 - 1  # --max-restarts' default, one used by this failure
         b.wait_event("worker_failed")
         finish(c, ["wk-a", "wk-b"])
         # Training resumed from a checkpoint, at full size again, and reached the end.
@@ -70,12 +70,16 @@ def test_node_killed_survivors_reform_at_smaller_size_and_continue(etcd, tmp_pat
         c.wait_step(lambda s: s["step"] >= 15 and s["world_size"] == 3, what="step 15 on 3 workers")
         ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
         victim = next(n for n, r in ranks.items() if r == victim_rank)
+        before = c.last_step()
+        assert before is not None
         c.nodes[victim].kill()
         survivors = [n for n in names if n != victim]
         for name in survivors:
             c.nodes[name].wait_event("node_lost", timeout_s=60, where=lambda e: e["lost_node"] == victim)
         after = c.wait_step(lambda s: s["world_size"] == 2, timeout_s=60, what="a step on 2 workers")
-        assert after["step"] > 0
+        # in place, no completed step is lost: the first step at 2 follows the last at 3 (or redoes the step a killed
+        # rank 0 printed as the others failed it)
+        assert after["step"] >= before["step"], (before, after)
         finish(c, survivors)
         assert c.last_step()["step"] == 80 and c.last_step()["world_size"] == 2  # type: ignore[index]
 
@@ -139,5 +143,6 @@ def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path
         for name in alive:
             assert c.nodes[name].wait(60) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "no process of the run left")
-        rounds = [e["round"] for e in c.nodes[alive[-1]].events("rendezvous_done")]
-        assert rounds == sorted(rounds)
+        # three kills and three joins, and still every step from the first to the last, none skipped
+        numbers = {s["step"] for s in c.all_steps()}
+        assert numbers == set(range(1, max(numbers) + 1)), sorted(set(range(1, max(numbers) + 1)) - numbers)
