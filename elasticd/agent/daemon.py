@@ -95,7 +95,7 @@ def run_daemon(cfg: StartConfig) -> int:
             lease.start()
             stack.callback(lease.close)
         # torch loads only now (~4 s on a busy host): what a user waits to hear about (metrics port, etcd, a node id
-        # in use) is answered in about a second. tests/unit/test_startup_imports.py keeps it that way.
+        # in use) is answered in about a second. tests/integration/test_startup_imports.py keeps it that way.
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
         from torch.distributed.elastic.rendezvous import RendezvousParameters

@@ -123,12 +123,13 @@ def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path
     ) as c:
         c.start("ch-0"), c.start("ch-1"), c.start("ch-2")
         c.wait_step(lambda s: s["world_size"] == 3, what="3 workers")
-        alive = ["ch-0", "ch-1", "ch-2"]
+        alive, killed = ["ch-0", "ch-1", "ch-2"], []
         for cycle in range(3):
             # Kill the node that hosts rank 0 every other cycle: the worker store moves each time.
             ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in alive}
             victim = min(alive, key=lambda n: ranks[n]) if cycle % 2 == 0 else max(alive, key=lambda n: ranks[n])
             c.nodes[victim].kill()
+            killed.append(victim)
             alive.remove(victim)
             mark = c.last_step()["t"]  # type: ignore[index]
             c.wait_step(lambda s, m=mark: s["t"] > m and s["world_size"] == 2, timeout_s=60, what="2 workers")
@@ -143,6 +144,9 @@ def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path
         for name in alive:
             assert c.nodes[name].wait(60) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "no process of the run left")
-        # three kills and three joins, and still every step from the first to the last, none skipped
+        # three kills and three joins, and every step from the first to the last printed, but for the one a killed
+        # rank 0 completed and had no time to print (its step line comes after the step's 0.2 s sleep)
         numbers = {s["step"] for s in c.all_steps()}
-        assert numbers == set(range(1, max(numbers) + 1)), sorted(set(range(1, max(numbers) + 1)) - numbers)
+        missing = set(range(1, max(numbers) + 1)) - numbers
+        last_of_killed = {max(s["step"] for s in c.nodes[n].steps()) for n in killed if c.nodes[n].steps()}
+        assert all(step - 1 in last_of_killed for step in missing), (sorted(missing), sorted(last_of_killed))

@@ -320,7 +320,14 @@ def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothin
         stopped_at = time.time()
         try:
             c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > stopped_at, timeout_s=90, what="world 2")
-            diagnosed = a.wait_event("hang_diagnosed", timeout_s=30)
+            # the first node to act on the agreed diagnosis kills its worker (cold); the other's worker may then fail
+            # on the closed connection before its own daemon logs the diagnosis, and it restarts for that failure:
+            # the same outcome, so either waiting node's diagnosis is the one checked
+            diagnosed = wait_until(
+                lambda: next((n.events("hang_diagnosed")[-1] for n in (a, b) if n.events("hang_diagnosed")), None),
+                30,
+                "a waiting node to diagnose the hang",
+            )
             time.sleep(max(0.0, stopped_at + MIN_STOP_S - time.time()))
         finally:
             for p in frozen:
@@ -331,8 +338,11 @@ def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothin
         assert summary["nodes_missing"] == ["sn-c"] and summary["cause"] == "node_lost", summary
         assert "stopped or dead" in summary["reason"] or "evicted" in summary["reason"], summary["reason"]
         assert summary["attempt"] == 0 and not summary["counted"]
-        for node in (a, b):
-            assert [d["culprit_nodes"] for d in node.events("hang_diagnosed")] == [["sn-c"]], c.diagnostics()
+        verdicts = [d["culprit_nodes"] for node in (a, b) for d in node.events("hang_diagnosed")]
+        assert verdicts and all(v == ["sn-c"] for v in verdicts) and len(verdicts) <= 2, c.diagnostics()
+        for node in (a, b):  # a node that did not diagnose restarted for its worker's failure, never for a hang
+            if not node.events("hang_diagnosed"):
+                assert [e["reason"] for e in node.events("restart")][:1] == ["failure"], node.tail()
 
         _finished(c, ["sn-a", "sn-b", "sn-c"], STOP_STEPS)
         # the woken node reported nothing that counts: no diagnosis of its own, one diagnostics directory in all,

@@ -192,15 +192,6 @@ def test_defaults_work_without_any_flag(
     assert c.node_id == socket.gethostname() and c.hang_timeout_s is None and c.on_nan == "rollback"
 
 
-def test_metrics_port_in_use_is_a_usage_error(script: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        code, err = run_cli(["start", "--metrics-port", str(port), "--etcd", "127.0.0.1:1", str(script)], capsys)
-    assert_one_line_error(code, err, "--metrics-port", str(port), "in use")
-
-
 def test_status_and_stop_read_start_s_config_file_and_ignore_its_other_keys(
     script: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -2,15 +2,13 @@
 
 The metrics contract of DESIGN.md §3 is written out here (:data:`CONTRACT`) and checked against a fresh registry;
 every metric the dashboard or the rules name must exist there, and every contract metric must be on the dashboard.
-promtool checks the rule file and runs grafana/alerts.test.yaml (Debian's prometheus package is installed when
-promtool is missing; see tests/prometheus_tools.py).
+promtool's checks of the rule file and of grafana/alerts.test.yaml are deploy tests (tests/deploy/test_alert_rules.py).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,6 @@ from elasticd.metrics import (
     Metrics,
 )
 from grafana import alerts, dashboard, generate
-from tests.prometheus_tools import INSTALL_TIMEOUT_S, require_prometheus
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -336,32 +333,6 @@ def test_every_alert_fires_in_at_least_one_promtool_test_case() -> None:
     names = {a.name for a in alerts.ALERTS}
     assert fired == names
     assert quiet <= names
-
-
-@pytest.mark.timeout(2 * INSTALL_TIMEOUT_S + 60)  # may install Debian's prometheus first
-def test_promtool_check_rules_passes() -> None:
-    tools = require_prometheus()
-    done = subprocess.run(
-        [str(tools.promtool), "check", "rules", str(GRAFANA / "alerts.yaml")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert f"SUCCESS: {len(alerts.ALERTS)} rules found" in done.stdout
-
-
-@pytest.mark.timeout(2 * INSTALL_TIMEOUT_S + 60)  # may install Debian's prometheus first
-def test_promtool_test_rules_passes() -> None:
-    tools = require_prometheus()
-    done = subprocess.run(
-        [str(tools.promtool), "test", "rules", "alerts.test.yaml"],
-        cwd=GRAFANA,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # -- docs --------------------------------------------------------------------------------------------------------

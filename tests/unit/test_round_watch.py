@@ -1,11 +1,8 @@
 """The rules that end a forming round's waits (``RoundWatch``) and the daemon's die-after-rendezvous fault, without
-etcd."""
+etcd (the fault killing a process for real: tests/integration/test_rendezvous_fault.py)."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -127,14 +124,3 @@ def test_the_fault_spec_names_a_phase_and_optional_conditions(tmp_path: Path) ->
 def test_a_fault_that_does_not_apply_does_nothing() -> None:
     faults.maybe_die("joined", rank=1, round_=2, fault=faults.parse("joined@rank=0"))
     faults.maybe_die("joined", rank=0, round_=2, fault=None)  # and the environment has none
-
-
-def test_a_fault_that_applies_kills_the_process_with_sigkill_after_saying_so() -> None:
-    code = "from elasticd.rendezvous import faults; faults.maybe_die('joined', rank=0, round_=3); print('alive')"
-    env = {envvars.FAULT_DIE_AFTER_RDZV: "joined@rank=0"}
-    result = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=False
-    )
-    assert result.returncode == -signal.SIGKILL
-    assert "alive" not in result.stdout
-    assert "fault_injected" in result.stdout + result.stderr  # structlog unconfigured here: stdout
