@@ -41,7 +41,10 @@ def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost
         spare_pids = spare.worker_pids()
         assert spare_pids, spare.tail(40)
         c.nodes["hw-1"].kill()
-        c.wait_step(lambda s: s["step"] >= waiting_from["step"] + 60, timeout_s=90, what="training after the loss")
+        # training goes on after the loss, to the run's last step (300) at the latest: on a loaded host the spare's
+        # imports can take most of the run, and the loss then comes near its end
+        after = min(waiting_from["step"] + 60, 300)
+        c.wait_step(lambda s: s["step"] >= after, timeout_s=90, what="training after the loss")
         for name in ("hw-0", "hw-2"):
             assert c.nodes[name].wait(150) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")
