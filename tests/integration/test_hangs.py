@@ -185,9 +185,21 @@ def test_two_daemons_agree_on_one_diagnosis_through_etcd(etcd, tmp_path: Path) -
         env={"ELASTICD_FAULT": "sleep@step=25,rank=1,restart=0"},
     ) as c:
         a, b = c.start("ag-a"), c.start("ag-b")
-        da = a.wait_event("hang_diagnosed", timeout_s=90)
-        db = b.wait_event("hang_diagnosed", timeout_s=30)
-        assert da["path"] == db["path"] and da["culprit_ranks"] == db["culprit_ranks"] == [1]
+        # the culprit's node tells the group as soon as it acts; the other's worker may fail on that notice (and, two
+        # nodes being the minimum, fall back) before its daemon logs the agreed diagnosis: it then restarts for a
+        # failure. Every diagnosis logged is the same one, and at least one node logs it.
+        first = wait_until(
+            lambda: next((n.events("hang_diagnosed")[-1] for n in (a, b) if n.events("hang_diagnosed")), None),
+            90,
+            "a node to diagnose the hang",
+        )
+        time.sleep(3)  # the other node's verdict, if it comes
+        verdicts = [d for n in (a, b) for d in n.events("hang_diagnosed")]
+        assert all(d["path"] == first["path"] and d["culprit_ranks"] == [1] for d in verdicts), verdicts
+        for node in (a, b):
+            if not node.events("hang_diagnosed"):
+                assert [e["reason"] for e in node.events("restart")][:1] == ["failure"], node.tail()
+        da = first
         summary = _summary(da)
         assert summary["nodes_reported"] == ["ag-a", "ag-b"] and summary["nodes_missing"] == []
         culprit_node = summary["culprits"][0]["node"]
