@@ -59,11 +59,10 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
         if path is not None:
             raise ConfigError(KEY, f"{path} does not exist or is not a file")
         return AccelerateEnv(None, {})
-    where = f"{file}"
     try:
         config = load_config_from_file(str(file))
     except Exception as exc:  # YAML or JSON errors, unknown keys: accelerate's own message
-        raise ConfigError(KEY, f"{where}: {_one_line(exc)}") from None
+        raise ConfigError(KEY, f"{file}: {_one_line(exc)}") from None
     kind = str(getattr(config.distributed_type, "value", config.distributed_type))
     _check_setup(file, str(getattr(config.compute_environment, "value", config.compute_environment)), kind)
 
@@ -89,7 +88,7 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
             args, _defaults, _from_config = _validate_launch_command(launch_command_parser().parse_args(argv))
             _cmd, launched = prepare_simple_launcher_cmd_env(args)
     except (ValueError, RuntimeError, AssertionError, SystemExit) as exc:
-        raise ConfigError(KEY, f"{where}: {_one_line(exc)}") from None
+        raise ConfigError(KEY, f"{file}: {_one_line(exc)}") from None
     env = {k: v for k, v in launched.items() if os.environ.get(k) != v and k not in _OWNED}
     overridden = []
     if not has_gpu and env.get("ACCELERATE_USE_CPU", "").lower() in {"false", "0", "no"}:

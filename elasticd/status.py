@@ -127,9 +127,9 @@ def _render(status: dict[str, Any], console: Console | None = None) -> None:
     ckpt = status["checkpoint"]
     console.print(
         f"run [bold]{status['run_id']}[/]  health [bold]{status['health']}[/]  nodes {status['node_count']}  "
-        f"round {_dash(status['round'])}  epoch {_dash(status['epoch'])}  world size {_dash(status['world_size'])}  "
-        f"step {_dash(status['step'])}  "
-        f"last checkpoint {_dash(ckpt.get('step') if ckpt else None)}"
+        f"round {dash(status['round'])}  epoch {dash(status['epoch'])}  world size {dash(status['world_size'])}  "
+        f"step {dash(status['step'])}  "
+        f"last checkpoint {dash(ckpt.get('step') if ckpt else None)}"
         + (f"  spares {len(status['spares'])}" if status["spares"] else "")
     )
     if not status["nodes"]:
@@ -141,15 +141,16 @@ def _render(status: dict[str, Any], console: Console | None = None) -> None:
             str(n.get("host")),
             str(n.get("pid")),
             str(n.get("state")),
-            _dash(n.get("round")),
-            _dash(n.get("epoch")),
-            _dash(n.get("workers")),
-            _dash(n.get("last_step")),
+            dash(n.get("round")),
+            dash(n.get("epoch")),
+            dash(n.get("workers")),
+            dash(n.get("last_step")),
             f"{n['age_s']}s ago",
             n["health"],
         )
     console.print(table)
 
 
-def _dash(value: object) -> str:
+def dash(value: object) -> str:
+    """A value for a table cell: ``-`` for none."""
     return "-" if value is None else str(value)

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from elasticd.errors import EXIT_OK
+from elasticd.status import dash
 
 REFRESH_S = 1.0
 RATE_WINDOW_S = 10.0
@@ -72,13 +73,13 @@ def view(status: dict[str, Any], watch: Watch, now: float) -> Group:
         ("  health ", "dim"),
         (str(status["health"]), _health_style(str(status["health"]))),
         ("  round ", "dim"),
-        _dash(status.get("round")),
+        dash(status.get("round")),
         ("  epoch ", "dim"),
-        _dash(status.get("epoch")),
+        dash(status.get("epoch")),
         ("  world size ", "dim"),
-        _dash(status.get("world_size")),
+        dash(status.get("world_size")),
         ("  step ", "dim"),
-        (_dash(status.get("step")), "bold"),
+        (dash(status.get("step")), "bold"),
         ("  rate ", "dim"),
         "-" if rate is None else f"{rate:.2f} steps/s",
         ("  loss ", "dim"),
@@ -93,10 +94,10 @@ def view(status: dict[str, Any], watch: Watch, now: float) -> Group:
         table.add_row(
             str(n.get("node_id")),
             str(n.get("state")),
-            _dash(n.get("round")),
-            _dash(n.get("epoch")),
-            _dash(n.get("workers")),
-            _dash(n.get("last_step")),
+            dash(n.get("round")),
+            dash(n.get("epoch")),
+            dash(n.get("workers")),
+            dash(n.get("last_step")),
             _number(n.get("step_s"), "{:.3f}"),
             _number(n.get("loss"), "{:.4g}"),
             f"{n.get('age_s', 0)}s ago",
@@ -194,10 +195,6 @@ def _age(seconds: float) -> str:
 
 def _health_style(health: str) -> str:
     return {"ok": "green", "done": "green", "degraded": "red", "failed": "red", "stale": "red"}.get(health, "yellow")
-
-
-def _dash(value: object) -> str:
-    return "-" if value is None else str(value)
 
 
 def _number(value: object, fmt: str) -> str:

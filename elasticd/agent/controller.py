@@ -106,7 +106,6 @@ class Controller:
         self.state = NodeState.RUNNING
         self.drain = False  # a drain request, once seen, holds
         self.handled_hangs: set[str] = set()  # hangs (claim names) this node acted on: never twice
-        self.last: Decision | None = None  # the latest decision (for tests and logs)
         self._next_control_poll = self._next_straggler_poll = 0.0
 
     def step(self) -> RunResult | None:
@@ -141,7 +140,7 @@ class Controller:
         failing = state is GroupState.HEALTHY and node.workers_exiting()
         waiting = node.nodes_waiting() if state is GroupState.HEALTHY and not failing else 0
         fatal = node.fatal()
-        decision = self.last = self.policy.decide(
+        decision = self.policy.decide(
             Observation(
                 state,
                 waiting,

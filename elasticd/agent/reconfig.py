@@ -96,10 +96,9 @@ class Reconfigurations:
         self._note(
             "reformed", reason=str(reason), seconds=seconds, world_size=world_size, lost_nodes=lost_nodes or None
         )
-        if isinstance(lost, list):
-            for node in lost:
-                # the same event as after a rendezvous that lost a node: operators follow one name either way
-                self._log().warning("node_lost", lost_node=str(node), in_place=True)
+        for node in lost_nodes:
+            # the same event as after a rendezvous that lost a node: operators follow one name either way
+            self._log().warning("node_lost", lost_node=node, in_place=True)
 
     def _fallback(self, beat: dict[str, Any]) -> None:
         reason = str(beat.get("reason"))

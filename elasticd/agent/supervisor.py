@@ -127,7 +127,6 @@ class ElasticdAgent(LocalElasticAgent):
         self._workers_started_at = clock()
         self._etcd_warned = -_ETCD_WARN_INTERVAL_S
         self.sizing = sizing or Sizing()
-        self.controller: Controller | None = None  # the loop, once the workers run (_invoke_run)
 
     @property
     def log(self) -> Any:
@@ -378,10 +377,10 @@ class ElasticdAgent(LocalElasticAgent):
     def _invoke_run(self, role: str = "default") -> RunResult:
         spec = self._worker_group.spec
         self._initialize_workers(self._worker_group)
-        self.controller = Controller(self, self._policy, self._clock)
+        controller = Controller(self, self._policy, self._clock)
         while True:
             time.sleep(spec.monitor_interval)
-            result = self.controller.step()
+            result = controller.step()
             if result is not None:
                 return result
 
@@ -407,9 +406,6 @@ class ElasticdAgent(LocalElasticAgent):
     def peer_hang_claim(self) -> str | None:
         hangs = self.hangs
         return None if hangs is None else self._poll(lambda: hangs.peer_claim(self.round or 0), None)
-
-    def diagnose_hang(self, suspicion: Any | None) -> HangReport | None:
-        return self._on_hang(self._worker_group, suspicion)
 
     def workers_exiting(self) -> bool:
         return self.hangs is not None and self.hangs.exiting()
@@ -444,9 +440,6 @@ class ElasticdAgent(LocalElasticAgent):
     def publish_state(self, state: NodeState) -> None:
         self._registry.update(state=state.value)
 
-    def check_stragglers(self, now: float) -> None:
-        self._check_stragglers(now)
-
     def leave_hang_to_culprits(self, hang: HangReport) -> None:
         if self.hangs is not None:
             watchdog = self.hangs.watchdog
@@ -463,12 +456,6 @@ class ElasticdAgent(LocalElasticAgent):
                 exitcode=failure.exitcode,
                 signal=failure.signal_name() if failure.exitcode < 0 else None,
             )
-
-    def leave_in_place(self) -> bool:
-        return self._leave_in_place(self._worker_group)
-
-    def checkpoint_first(self, reason: str) -> None:
-        self._checkpoint_first(self._worker_group, reason)
 
     def restart(self, decision: Decision, nodes_waiting: int) -> None:
         # joining in place did not work out: next time through the rendezvous
@@ -510,7 +497,8 @@ class ElasticdAgent(LocalElasticAgent):
         others = {w.global_rank: None for w in worker_group.workers if w.global_rank not in result.failures}
         return RunResult(state=WorkerState.FAILED, failures=result.failures, return_values=others)
 
-    def _on_hang(self, worker_group: WorkerGroup, suspicion: Any) -> HangReport | None:
+    def diagnose_hang(self, suspicion: Any | None) -> HangReport | None:
+        worker_group = self._worker_group
         assert self.hangs is not None
         if self.sizing.spare:
             return None  # no workers here: the training nodes diagnose their hang without this node
@@ -532,7 +520,7 @@ class ElasticdAgent(LocalElasticAgent):
         rank = self._beat_ranks.get(worker.local_rank)
         return int(worker.global_rank) if rank is None else rank
 
-    def _leave_in_place(self, worker_group: WorkerGroup) -> bool:
+    def leave_in_place(self) -> bool:
         """SIGTERM under hot recovery: this node's workers leave the group at a step boundary it agrees on, and the
         others train on in place; no checkpoint first, nothing restarts. True when every local worker left (exit 0);
         False (nothing asked, or they did not leave in time) keeps today's path: checkpoint, stop, leave."""
@@ -547,7 +535,7 @@ class ElasticdAgent(LocalElasticAgent):
         self._log.info("leaving_in_place", group_nodes=nodes)
         deadline = self._clock() + self._checkpoint_timeout_s
         while self._clock() < deadline:
-            state = group_state(self._monitor_workers(worker_group).state)
+            state = group_state(self._monitor_workers(self._worker_group).state)
             if state is GroupState.SUCCEEDED:
                 return True
             if state is GroupState.FAILED:
@@ -580,7 +568,7 @@ class ElasticdAgent(LocalElasticAgent):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def _check_stragglers(self, now: float) -> None:
+    def check_stragglers(self, now: float) -> None:
         detector = self.stragglers
         if not detector.enabled:
             return
@@ -609,7 +597,7 @@ class ElasticdAgent(LocalElasticAgent):
             else:
                 self._log.info("straggler_recovered", rank=event.rank, own_s=round(event.own_s, 4))
 
-    def _checkpoint_first(self, worker_group: WorkerGroup, reason: str) -> None:
+    def checkpoint_first(self, reason: str) -> None:
         """Before a planned change: ask the workers for a checkpoint and wait until every local one has saved it.
 
         Only workers that announced the protocol (``hello``) are asked; any others are stopped at once, as torch
@@ -626,7 +614,7 @@ class ElasticdAgent(LocalElasticAgent):
                     os.kill(pid, signal.SIGUSR2)
             deadline = self._clock() + self._checkpoint_timeout_s
             while not self.reports.all_saved() and self._clock() < deadline:
-                if group_state(self._monitor_workers(worker_group).state) is not GroupState.HEALTHY:
+                if group_state(self._monitor_workers(self._worker_group).state) is not GroupState.HEALTHY:
                     break
                 time.sleep(0.05)
         step = self.reports.saved_step()
