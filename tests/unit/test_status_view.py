@@ -96,8 +96,10 @@ def test_ctrl_c_stops_the_watch_after_the_frame_it_interrupts_not_inside_it() ->
         collected.append(1)
         if len(collected) == 2:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while a frame is read (an etcd call, in real life)
+            completed.append(2)  # a KeyboardInterrupt raised here would never reach this line
         return summarize("r", [node("a")], None)
 
+    completed: list[int] = []
     assert run_watch(collect, console, sleep=lambda _s: None) == 0
-    assert len(collected) == 2  # the interrupted frame completed, and no other began
+    assert len(collected) == 2 and completed == [2]  # the interrupted frame completed, and no other began
     assert signal.getsignal(signal.SIGINT) == before  # the handler is given back
