@@ -22,9 +22,10 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticd import options as o
 from elasticd.errors import ConfigError
 
-KEY = "--accelerate-config"
+KEY = o.ACCELERATE_CONFIG.flag
 # What torch's agent sets for every worker, each round: never from accelerate's file.
 _OWNED = frozenset({"MASTER_ADDR", "MASTER_PORT"})
 # accelerate's setups that elasticd cannot run: why, in a few words

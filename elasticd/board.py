@@ -2,9 +2,10 @@
 
 Beats (a datagram every ≥ 250 ms) carry figures for metrics; the hang watchdog needs something finer and cheaper:
 where every rank is *now*. Each worker maps ``<board-dir>/rank-<local_rank>`` (a 64-byte file in the daemon's runtime
-directory) and overwrites it at every step boundary and phase change: one ``struct.pack_into``, about a microsecond,
-no system call. The daemon reads the slots whenever it likes (every monitor interval). Both clocks are
-``CLOCK_MONOTONIC`` (``time.monotonic``), which is one clock for all processes of a host.
+directory, :func:`elasticd.layout.slot_path`) and overwrites it at every step boundary and phase change: one
+``struct.pack_into``, about a microsecond, no system call. The daemon reads the slots whenever it likes (every
+monitor interval). Both clocks are ``CLOCK_MONOTONIC`` (``time.monotonic``), which is one clock for all processes of
+a host.
 
 The layout is defined here only, for both sides. Each side packs its fields into bytes first and copies them into the
 map in one slice assignment: ``struct.pack_into`` would zero the whole slot before writing it, and a reader could
@@ -62,10 +63,6 @@ class Slot:
     own_s: float  # the last step's time that waits for nobody: data wait + forward passes
     dump_request: int
     dump_done: int
-
-
-def slot_path(board_dir: str | Path, local_rank: int) -> Path:
-    return Path(board_dir) / f"rank-{local_rank}"
 
 
 class SlotWriter:

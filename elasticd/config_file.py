@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from elasticd import options as o
 from elasticd.errors import ConfigError
 
 
@@ -27,11 +28,11 @@ def load_config_file(path: Path, converters: Mapping[str, Callable[[Any], Any]])
     ``converters`` maps each accepted option name (dashed, no ``--``) to a function that converts a raw YAML value
     or raises ``ValueError`` with a message.
     """
-    label = f"--config {path}"
+    label = f"{o.CONFIG.flag} {path}"
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError("--config", f"cannot read {path}: {exc.strerror or exc}") from None
+        raise ConfigError(o.CONFIG.flag, f"cannot read {path}: {exc.strerror or exc}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -13,6 +13,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from elasticd import options as o
 from elasticd.errors import ConfigError
 
 RESTART_REASONS = ("failure", "hang", "nan", "membership", "drain")
@@ -216,8 +217,8 @@ class MetricsServer:
             self._server, self._thread = start_http_server(port, addr=addr, registry=registry)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise ConfigError("--metrics-port", f"port {port} on {addr} is already in use") from None
-            raise ConfigError("--metrics-addr", f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from None
+                raise ConfigError(o.METRICS_PORT.flag, f"port {port} on {addr} is already in use") from None
+            raise ConfigError(o.METRICS_ADDR.flag, f"cannot serve metrics on {addr}:{port}: {exc.strerror}") from None
         self.addr = addr
         self.port: int = self._server.server_address[1]
 

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 
 from elasticd.errors import CheckpointDirError
+from elasticd.layout import PROBE_PREFIX
 
 # One filesystem block: a write of this size needs a free block, as a checkpoint file does (a 1-byte file can fit in
 # an inode on some filesystems and pass on a full disk).
@@ -26,7 +27,7 @@ _PROBE_TRIES = 4
 def probe(directory: Path) -> OSError | None:
     """Create, write, fsync and remove a small file in ``directory``; None when all of it worked, else the OSError
     (with ``filename`` set to the path that failed). The file is removed on every path out."""
-    path = directory / f".elasticd-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    path = directory / f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
+from elasticd import options as o
 from elasticd.agent.registry import read_nodes
 from elasticd.errors import EXIT_OK, ConfigError
 from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.etcd.endpoints import parse_endpoints
-from elasticd.keys import RunKeys, validate_run_id
+from elasticd.etcd.endpoints import Endpoint
+from elasticd.keys import RunKeys
 
 # Seconds without a registry write after which a node is reported stale; the registry rewrites at least every
 # few seconds while a node trains (last step) and its lease expires after 10 s.
@@ -82,7 +84,7 @@ def _run_health(nodes: list[dict[str, Any]]) -> str:
 
 
 def show_status(
-    etcd: str,
+    etcd: Sequence[Endpoint],
     run_id: str,
     connect_timeout_s: float,
     *,
@@ -90,12 +92,13 @@ def show_status(
     access: EtcdAccess | None = None,
     watch: bool = False,
 ) -> int:
-    if (why := validate_run_id(run_id)) is not None:
-        raise ConfigError("--run-id", f"{run_id!r}: {why}")
+    """``elasticd status`` (its options resolved by the option table: endpoints parsed, run id checked)."""
     if watch and as_json:
-        raise ConfigError("--watch", "draws a live view for a terminal; --json prints one snapshot for scripts")
+        raise ConfigError(o.WATCH.flag, "draws a live view for a terminal; --json prints one snapshot for scripts")
     client = EtcdClient.connect(
-        parse_endpoints(etcd), connect_timeout_s=connect_timeout_s, **(access or EtcdAccess()).connect_kwargs()
+        etcd,
+        connect_timeout_s=connect_timeout_s,
+        **(access or EtcdAccess()).connect_kwargs(),
     )
     try:
         if watch:

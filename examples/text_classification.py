@@ -102,8 +102,8 @@ def build_model(vocab_size: int, seed: int, size: str = "tiny") -> BertForSequen
         num_attention_heads=heads,
         intermediate_size=feed_forward,
         max_position_embeddings=MAX_LENGTH,
-        num_labels=2,
     )
+    config.num_labels = 2  # a setter of transformers' PretrainedConfig (its type stubs do not name the keyword)
     return BertForSequenceClassification(config)
 
 

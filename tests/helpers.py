@@ -7,11 +7,17 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import psutil
 
+from elasticd.etcd.client import EtcdClient
+
 # Generous: the test machine has 2 cores shared with other test runs; etcd alone starts in ~0.2 s.
 ETCD_READY_TIMEOUT_S = 30.0
+
+T = TypeVar("T")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -35,3 +41,21 @@ def kill_tree(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             child.kill()
     process.wait(timeout=30)
+
+
+def records(seen: list[Any], what: object = None, *, result: T) -> Callable[..., T]:
+    """A stand-in for a function: it appends ``what`` (default: its first argument) to ``seen`` and returns
+    ``result`` (an exit code, for the CLI's commands)."""
+
+    def stand_in(*args: Any, **_kwargs: Any) -> T:
+        seen.append(args[0] if what is None else what)
+        return result
+
+    return stand_in
+
+
+def etcd_value(client: EtcdClient, key: str) -> bytes:
+    """The value at ``key``; fails the test when the key is absent."""
+    got = client.get(key)
+    assert got is not None, f"{key} is absent"
+    return bytes(got[0])

@@ -18,6 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticd.messages import (
+    COUNT_FIELDS,
+    KIND,
+    LIST_FIELDS,
+    NUMBER_FIELDS,
+    PROTOCOL_VERSION,
+    RANK_FIELDS,
+    SECONDS_FIELDS,
+    UNVERSIONED,
+    VERSION,
+    Kind,
+    kind_of,
+)
+
 Beat = dict[str, Any]
 
 # Seconds between two log lines about dropped datagrams (the count in between is in the line and in Progress).
@@ -27,9 +41,6 @@ MAX_DATAGRAM_BYTES = 65536
 # Ranks index per-rank state: bounded so that a sender cannot grow it without limit (no job has 16 M ranks).
 MAX_RANK = 1 << 24
 _MAX_INT = 1 << 63
-# Fields the daemon reads as numbers: when present they must have this type, or the beat is dropped.
-_COUNT_FIELDS = ("step", "samples", "exit_code", "pid")  # integers >= 0
-_SECONDS_FIELDS = ("ts", "step_time_s", "train_s", "own_s", "blocking_s", "total_s")  # finite numbers >= 0
 
 
 class InvalidBeatError(ValueError):
@@ -39,36 +50,48 @@ class InvalidBeatError(ValueError):
 def parse_beat(data: bytes) -> Beat:
     """The beat in ``data``, with ``rank``/``local_rank`` defaulted to 0; :class:`InvalidBeatError` otherwise.
 
-    Only the fields the daemon computes with are checked (a worker sends more, and unknown fields pass): a JSON
-    object with a string ``kind``, ranks in [0, 2^24), counts that are integers >= 0, times that are finite numbers
-    >= 0, ``loss`` a number (nan and inf are what the guard reports), ``capabilities`` a list.
+    Only the fields the daemon computes with are checked (a worker sends more, and unknown fields pass), with the
+    types :mod:`elasticd.messages` gives them: a JSON object of a protocol version this daemon speaks (``v`` absent
+    or at most :data:`~elasticd.messages.PROTOCOL_VERSION`) with a string ``kind`` (one this daemon does not know
+    passes: its consumers ignore it), ranks in [0, 2^24), counts that are integers >= 0, times that are finite
+    numbers >= 0, ``loss`` a number (nan and inf are what the guard reports), ``capabilities`` a list.
     """
     try:
         beat = json.loads(data)
     except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, too deeply nested, an int of 5000 digits
         raise InvalidBeatError(f"not JSON: {type(exc).__name__}") from None
-    if not isinstance(beat, dict) or not isinstance(beat.get("kind"), str):
-        raise InvalidBeatError("not a JSON object with a string 'kind'")
-    for name in ("rank", "local_rank"):
+    if not isinstance(beat, dict):
+        raise InvalidBeatError(f"not a JSON object with a string {KIND!r}")
+    # first: a newer worker's message may mean something else by any field, the kind included
+    version = beat.get(VERSION, UNVERSIONED)
+    if not _is_int(version) or version < 1:
+        raise InvalidBeatError(f"{VERSION} (the protocol version) is not an integer >= 1")
+    if version > PROTOCOL_VERSION:
+        raise InvalidBeatError(f"protocol version {version} is newer than this daemon's ({PROTOCOL_VERSION})")
+    if not isinstance(beat.get(KIND), str):
+        raise InvalidBeatError(f"not a JSON object with a string {KIND!r}")
+    for name in RANK_FIELDS:
         value = beat.setdefault(name, 0)
         if not _is_int(value) or not 0 <= value < MAX_RANK:
             raise InvalidBeatError(f"{name} is not an integer in [0, {MAX_RANK})")
-    for name in _COUNT_FIELDS:
+    for name in COUNT_FIELDS:
         if name in beat and not (_is_int(beat[name]) and 0 <= beat[name] < _MAX_INT):
             raise InvalidBeatError(f"{name} is not an integer >= 0")
-    for name in _SECONDS_FIELDS:
+    for name in SECONDS_FIELDS:
         if name in beat:
             seconds = _as_float(beat[name])
             if seconds is None or not math.isfinite(seconds) or seconds < 0:
                 raise InvalidBeatError(f"{name} is not a finite number >= 0")
             beat[name] = seconds
-    if "loss" in beat:
-        loss = _as_float(beat["loss"])
-        if loss is None:
-            raise InvalidBeatError("loss is not a number")
-        beat["loss"] = loss
-    if "capabilities" in beat and not isinstance(beat["capabilities"], list):
-        raise InvalidBeatError("capabilities is not a list")
+    for name in NUMBER_FIELDS:
+        if name in beat:
+            number = _as_float(beat[name])
+            if number is None:
+                raise InvalidBeatError(f"{name} is not a number")
+            beat[name] = number
+    for name in LIST_FIELDS:
+        if name in beat and not isinstance(beat[name], list):
+            raise InvalidBeatError(f"{name} is not a list")
     return beat
 
 
@@ -94,7 +117,7 @@ class Progress:
     loss: float | None = None
     last_beat_monotonic: dict[int, float] = field(default_factory=dict)
     beats: int = 0
-    malformed: int = 0  # datagrams dropped: not a beat, or a consumer failed on it
+    malformed: int = 0  # datagrams dropped: not a beat (or one of a newer protocol), or a consumer failed on it
 
 
 class BeatReceiver:
@@ -153,7 +176,7 @@ class BeatReceiver:
             p = self.progress
             p.beats += 1
             p.last_beat_monotonic[rank] = time.monotonic()
-            if beat["kind"] == "step" and "step" in beat:
+            if kind_of(beat) is Kind.STEP and "step" in beat:
                 # The latest beat wins: after a restart the step legitimately goes back to the checkpoint's.
                 p.step = beat["step"]
                 if "loss" in beat:
@@ -163,7 +186,7 @@ class BeatReceiver:
         try:
             self._on_beat(beat)
         except Exception as exc:  # a consumer's bug must not end the channel: every later beat would be lost
-            self._dropped(f"{beat['kind']} beat failed in the daemon: {type(exc).__name__}: {exc}")
+            self._dropped(f"{beat[KIND]} beat failed in the daemon: {type(exc).__name__}: {exc}")
 
     def _dropped(self, reason: str) -> None:
         now = self._clock()

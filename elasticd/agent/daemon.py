@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,7 +30,7 @@ from elasticd.agent.registry import NodeRegistry, read_nodes
 from elasticd.agent.spares import EtcdPlanStore, Sizing
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
-from elasticd.board import read_slot, slot_path
+from elasticd.board import read_slot
 from elasticd.config import StartConfig
 from elasticd.control import drain_requested
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
@@ -39,6 +38,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
+from elasticd.layout import RunLayout, RuntimeLayout, slot_path
 from elasticd.lineage import CheckpointRecord, Lineage
 from elasticd.logging import configure_logging, get_logger
 from elasticd.membership import Membership
@@ -47,6 +47,8 @@ from elasticd.worker.checkpoints import CheckpointStore
 from elasticd.worker.launch import worker_args
 
 if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
     from elasticd.agent.supervisor import ElasticdAgent
     from elasticd.rendezvous.handler import ElasticdRendezvousHandler
 
@@ -56,7 +58,8 @@ def run_daemon(cfg: StartConfig) -> int:
     configure_logging(cfg.log_format)
     log = get_logger(run_id=cfg.run_id, node_id=cfg.node_id)
     # before anything starts: a directory no save can be written to is a usage error (exit 2), not a crash loop
-    rundir.prepare(cfg.checkpoint_dir.resolve() / cfg.run_id)
+    run_layout = RunLayout(cfg.checkpoint_dir.resolve(), cfg.run_id)
+    rundir.prepare(run_layout.dir)
     with ExitStack() as stack:
         # First in, last out: everything started below carries this pid, and the reaper kills what is left of it
         # once the daemon is gone, whether it exits or is killed (elasticd/agent/reaper.py).
@@ -68,19 +71,19 @@ def run_daemon(cfg: StartConfig) -> int:
         if cfg.metrics_port:
             server = MetricsServer(metrics.registry, cfg.metrics_addr, cfg.metrics_port)
             stack.callback(server.close)
-        endpoints, local_addr = cfg.etcd_text, cfg.local_addr
         if cfg.embedded_etcd:
             etcd = stack.enter_context(EmbeddedEtcd(auth=True))
-            endpoints, local_addr = etcd.endpoint, local_addr or "127.0.0.1"
-            # No other local user may use it (rendezvous state is a pickle): this daemon and its workers log in.
-            cfg = dataclasses.replace(cfg, etcd_access=etcd.access)
-            log.info("embedded_etcd_started", endpoint=endpoints, pid=etcd.pid, credentials=str(etcd.password_file))
-        client = EtcdClient.connect(
-            parse_endpoints(endpoints),
-            connect_timeout_s=cfg.etcd_connect_timeout_s,
-            **cfg.etcd_access.connect_kwargs(),
-            on_error=lambda _exc: metrics.etcd_errors_total.inc(),
-        )
+            # From here on the run's etcd is this one, for every client of the node. No other local user may use it
+            # (rendezvous state is a pickle): this daemon and its workers log in.
+            cfg = dataclasses.replace(
+                cfg,
+                etcd=parse_endpoints(etcd.endpoint),
+                etcd_access=etcd.access,
+                local_addr=cfg.local_addr or "127.0.0.1",
+            )
+            log.info("embedded_etcd_started", endpoint=etcd.endpoint, pid=etcd.pid, credentials=str(etcd.password_file))
+        endpoints, local_addr = cfg.etcd_text, cfg.local_addr
+        client = EtcdClient.connect(**cfg.etcd_connect_args(), on_error=lambda _exc: metrics.etcd_errors_total.inc())
         stack.callback(client.close)
         keys = RunKeys(cfg.run_id)
 
@@ -98,7 +101,6 @@ def run_daemon(cfg: StartConfig) -> int:
         # in use) is answered in about a second. tests/integration/test_startup_imports.py keeps it that way.
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
 
         from elasticd.agent.liveness import RoundLiveness, read_view
         from elasticd.agent.supervisor import ElasticdAgent
@@ -118,30 +120,17 @@ def run_daemon(cfg: StartConfig) -> int:
         for line in accelerate.overridden:
             log.info("accelerate_setting_overridden", setting=line)
 
-        runtime_dir = Path(tempfile.mkdtemp(prefix="elasticd-"))
-        stack.callback(shutil.rmtree, runtime_dir, ignore_errors=True)
-        socket_path = str(runtime_dir / "beats.sock")
-        board_dir = runtime_dir / "board"
-        board_dir.mkdir()
-        _export_worker_env(cfg, socket_path, endpoints, board_dir, accelerate.env, has_gpu, log)
-        if local_addr:
-            os.environ[envvars.LOCAL_ADDR] = local_addr
+        runtime = RuntimeLayout.create()
+        stack.callback(shutil.rmtree, runtime.dir, ignore_errors=True)
+        socket_path = str(runtime.socket)
+        board_dir = runtime.board
+        _export_worker_env(cfg, socket_path, board_dir, accelerate.env, has_gpu, log)
         if cfg.recovery == "hot":
             from elasticd.worker.hot.backend import worker_env
 
             os.environ.update(worker_env(os.environ))  # NCCL: raise and keep the process on a communicator error
 
-        params = RendezvousParameters(
-            backend="etcd-v3",
-            endpoint=endpoints,
-            run_id=cfg.run_id,
-            min_nodes=cfg.min_nodes,
-            max_nodes=cfg.max_nodes,
-            local_addr=local_addr,
-            **dict(cfg.rdzv_conf),
-            **cfg.etcd_access.rdzv_conf(),
-        )
-        handler = create_handler(params)
+        handler = create_handler(rendezvous_parameters(cfg))
         spec = WorkerSpec(
             role="default",
             local_world_size=cfg.nproc_per_node,
@@ -155,7 +144,7 @@ def run_daemon(cfg: StartConfig) -> int:
         )
         agent = ElasticdAgent(
             spec=spec,
-            logs_specs=DefaultLogsSpecs(log_dir=str(runtime_dir / "torchelastic"), redirects=Std.NONE),
+            logs_specs=DefaultLogsSpecs(log_dir=str(runtime.torchelastic_logs), redirects=Std.NONE),
             start_method="spawn",
             run_id=cfg.run_id,
             node_id=cfg.node_id,
@@ -175,7 +164,7 @@ def run_daemon(cfg: StartConfig) -> int:
                 agreement=HangAgreement(client, keys, cfg.node_id),
                 node_id=cfg.node_id,
                 board_dir=board_dir,
-                run_dir=cfg.checkpoint_dir.resolve() / cfg.run_id,
+                run=run_layout,
                 metrics=metrics,
                 log=lambda: agent.log,
                 liveness=RoundLiveness(cfg.node_id, lambda: read_nodes(client, keys), lambda: read_view(handler)),
@@ -305,7 +294,6 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
 def _export_worker_env(
     cfg: StartConfig,
     socket_path: str,
-    endpoints: str,
     board_dir: Path,
     accelerate: Mapping[str, str],
     has_gpu: bool,
@@ -314,20 +302,10 @@ def _export_worker_env(
     """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us,
     and from accelerate's config file (``accelerate``: what ``accelerate launch`` would set)."""
     os.environ.update(accelerate)
+    os.environ.update(cfg.worker_env())
     os.environ.update(
         {
             envvars.SOCKET: socket_path,
-            envvars.RUN_ID: cfg.run_id,
-            envvars.NODE_ID: cfg.node_id,
-            envvars.CHECKPOINT_DIR: str(cfg.checkpoint_dir.resolve()),
-            envvars.CHECKPOINT_EVERY_STEPS: str(cfg.checkpoint_every_steps),
-            envvars.CHECKPOINT_EVERY_SECONDS: str(cfg.checkpoint_every_seconds),
-            envvars.KEEP_CHECKPOINTS: str(cfg.keep_checkpoints),
-            envvars.ON_NAN: cfg.on_nan,
-            envvars.ETCD: endpoints,
-            envvars.RECOVERY: cfg.recovery,
-            envvars.MIN_NODES: str(cfg.min_nodes),
-            envvars.MAX_NODES: str(cfg.max_nodes),
             envvars.BOARD: str(board_dir),
             **cfg.etcd_access.worker_env(),
         }
@@ -353,6 +331,24 @@ def _export_worker_env(
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
 
 
+def rendezvous_parameters(cfg: StartConfig) -> RendezvousParameters:
+    """torch's rendezvous parameters for this node: its etcd reached as the daemon reaches it (the same endpoints,
+    connect timeout, TLS files and credentials), the elastic range, and the ``--rdzv-conf`` timings."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    return RendezvousParameters(
+        backend="etcd-v3",
+        endpoint=cfg.etcd_text,
+        run_id=cfg.run_id,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        local_addr=cfg.local_addr,
+        connect_timeout=cfg.etcd_connect_timeout_s,
+        **dict(cfg.rdzv_conf),
+        **cfg.etcd_access.rdzv_conf(),
+    )
+
+
 def _torch_diagnostics_env(cfg: StartConfig) -> dict[str, str]:
     """torch's collective diagnostics, set consistent with the timeout hierarchy (docs/architecture.md).
 
@@ -361,15 +357,13 @@ def _torch_diagnostics_env(cfg: StartConfig) -> dict[str, str]:
     gather evidence, so elasticd diagnoses and restarts first, and torch dumps and aborts only if we could not.
     """
     hang_s = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else AUTO_CAP_S
-    diagnostics = cfg.checkpoint_dir.resolve() / cfg.run_id / "diagnostics" / "nccl"
+    run = RunLayout(cfg.checkpoint_dir.resolve(), cfg.run_id)
     return {
-        # torch's current names (TORCH_NCCL_TRACE_BUFFER_SIZE and TORCH_NCCL_DEBUG_INFO_TEMP_FILE are deprecated
-        # aliases: torch warns from every worker that sees them)
-        "TORCH_FR_BUFFER_SIZE": "2000",
-        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_FR_DUMP_TEMP_FILE": f"{diagnostics}/trace-rank-",
-        "TORCH_NCCL_ENABLE_MONITORING": "1",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(int(max(480, 2 * hang_s + 60))),
+        envvars.TORCH_FR_BUFFER_SIZE: "2000",
+        envvars.TORCH_NCCL_DUMP_ON_TIMEOUT: "1",
+        envvars.TORCH_FR_DUMP_TEMP_FILE: run.nccl_trace_prefix,
+        envvars.TORCH_NCCL_ENABLE_MONITORING: "1",
+        envvars.TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: str(int(max(480, 2 * hang_s + 60))),
     }
 
 

@@ -18,8 +18,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticd.board import Slot, read_slot, request_dump, slot_path
-from elasticd.worker.diagnostics import STACKS_SIGNAL, flight_recorder_path, stacks_path
+from elasticd.board import Slot, read_slot, request_dump
+from elasticd.layout import (
+    NODE_EVIDENCE,
+    flight_recorder_evidence,
+    flight_recorder_path,
+    node_evidence_dir,
+    slot_path,
+    stacks_evidence,
+    stacks_path,
+)
+from elasticd.worker.diagnostics import STACKS_SIGNAL
 
 # Seconds to wait for the workers' answers; faulthandler answers in microseconds, the recorder thread within its
 # 100 ms poll. A worker that has not answered by then is reported without stacks.
@@ -57,7 +66,7 @@ class RankEvidence:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankEvidence:
-        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]
+        return cls(**{k: data.get(k) for k in cls.__dataclass_fields__})  # type: ignore[arg-type]  # a JSON dict, by field
 
 
 def collect(
@@ -75,7 +84,7 @@ def collect(
     """Evidence of every local rank in ``pids`` (local rank → pid); files go to ``out_dir/node-<node>/``.
 
     ``stop`` ends the wait for answers early (a worker exited: it will never answer, and the hang is off)."""
-    node_dir = out_dir / f"node-{node}"
+    node_dir = out_dir / node_evidence_dir(node)
     node_dir.mkdir(parents=True, exist_ok=True)
     offsets: dict[int, int] = {}
     requests: dict[int, int] = {}
@@ -97,12 +106,12 @@ def collect(
         stacks = _read_from(stacks_path(board_dir, local_rank), offsets.get(local_rank))
         stacks_name = fr_name = None
         if stacks:
-            stacks_name = f"node-{node}/rank-{rank}.stacks.txt"
+            stacks_name = stacks_evidence(node, rank)
             (out_dir / stacks_name).write_text(stacks)
         fr = None
         fr_file = flight_recorder_path(board_dir, local_rank)
         if local_rank in requests and slot is not None and slot.dump_done >= requests[local_rank] and fr_file.exists():
-            fr_name = f"node-{node}/rank-{rank}.flight-recorder.json"
+            fr_name = flight_recorder_evidence(node, rank)
             (out_dir / fr_name).write_bytes(fr_file.read_bytes())
             fr = _load_json(fr_file)
         main = main_thread(stacks) if stacks else []
@@ -126,7 +135,7 @@ def collect(
                 flight_recorder=fr_name,
             )
         )
-    (node_dir / "evidence.json").write_text(json.dumps([e.to_json() for e in evidence], indent=2))
+    (node_dir / NODE_EVIDENCE).write_text(json.dumps([e.to_json() for e in evidence], indent=2))
     return evidence
 
 

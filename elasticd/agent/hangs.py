@@ -37,11 +37,11 @@ from elasticd.agent.diagnosis import diagnose
 from elasticd.agent.evidence import RankEvidence, collect, process_exited, process_state
 from elasticd.agent.policy import HangReport
 from elasticd.agent.watchdog import Suspicion, Watchdog
-from elasticd.board import Phase, slot_path
+from elasticd.board import Phase
 from elasticd.etcd.client import EtcdError
+from elasticd.layout import HANG_SCRATCH_PREFIX, HANG_SUMMARY, RunLayout, hang_name, node_evidence_dir, slot_path
 from elasticd.metrics import Metrics
 
-DIAGNOSTICS_DIR = "diagnostics"
 # A suspicion stands only if the silent ranks stay silent for this share of their allowance after it fired (bounded
 # below by the evidence gathering itself and above by CONFIRM_MAX_S): a slow step on a starved machine clears itself.
 CONFIRM_SHARE = 0.5
@@ -73,7 +73,7 @@ class HangHandler:
         agreement: HangAgreement | None,
         node_id: str,
         board_dir: Path,
-        run_dir: Path,
+        run: RunLayout,
         metrics: Metrics,
         log: Callable[[], Any],
         liveness: Liveness | None = None,
@@ -86,7 +86,7 @@ class HangHandler:
         self._agreement = agreement
         self._node = node_id
         self._board_dir = board_dir
-        self._run_dir = run_dir
+        self._run = run
         self._metrics = metrics
         self._log = log
         self._clock = clock
@@ -181,7 +181,7 @@ class HangHandler:
         scratch: Path | None = None
         evidence: list[RankEvidence] = []
         try:
-            scratch = Path(tempfile.mkdtemp(prefix="hang-", dir=self._board_dir))
+            scratch = Path(tempfile.mkdtemp(prefix=HANG_SCRATCH_PREFIX, dir=self._board_dir))
             evidence = collect(
                 node=self._node,
                 board_dir=self._board_dir,
@@ -216,12 +216,13 @@ class HangHandler:
             log.warning("hang_stale", reason=stale, step=step_now)
             return HangReport(step=step_now, attempt=0, path="", culprits=())
         self._metrics.hangs_total.inc()
-        candidate = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-hang"
+        candidate = hang_name(time.gmtime())
         name, owner = candidate, True
-        if self._agreement is not None:
+        agreement = self._agreement
+        if agreement is not None:
             scope = self._scope(round_)
-            name, owner = self._safe(lambda: self._agreement.claim(scope, candidate), (candidate, True))  # type: ignore[union-attr]
-        path = self._run_dir / DIAGNOSTICS_DIR / name
+            name, owner = self._safe(lambda: agreement.claim(scope, candidate), (candidate, True))
+        path = self._run.hang(name)
         if self._write_down(scratch, path):
             log.info("diagnostics_written", path=str(path), ranks=sorted(e.rank for e in evidence))
         extra = {
@@ -233,7 +234,7 @@ class HangHandler:
         summary = self._agree(round_, members, evidence, owner=owner, extra=extra, exited=exited)
         if summary is None:
             # abandoned while agreeing: take back what we wrote, so a failure leaves no hang diagnostics behind
-            shutil.rmtree(path / f"node-{self._node}", ignore_errors=True)
+            shutil.rmtree(path / node_evidence_dir(self._node), ignore_errors=True)
             with contextlib.suppress(OSError):
                 path.rmdir()  # only when no other node's evidence is in it
             self._abandon(log, exited(), step)
@@ -245,9 +246,9 @@ class HangHandler:
             return None
         if owner:
             try:
-                (path / "summary.json").write_text(json.dumps(summary, indent=2))
+                (path / HANG_SUMMARY).write_text(json.dumps(summary, indent=2))
             except OSError as exc:
-                self._write_failed(exc, path / "summary.json")
+                self._write_failed(exc, path / HANG_SUMMARY)
         log.warning(
             "hang_diagnosed",
             culprit_ranks=summary["culprit_ranks"],

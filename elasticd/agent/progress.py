@@ -17,6 +17,7 @@ from typing import Any
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.stragglers import StragglerDetector
+from elasticd.messages import FatalReason, Kind, kind_of
 from elasticd.metrics import Metrics
 
 # Seconds between registry writes of the last step: status stays fresh without one etcd put per step.
@@ -59,32 +60,32 @@ class ProgressTracker:
 
     def on_beat(self, beat: dict[str, Any]) -> None:
         self.reports.on_beat(beat)
-        kind = beat.get("kind")
+        kind = kind_of(beat)
         m = self._metrics
-        if kind == "step" and isinstance(beat.get("step"), int):
+        if kind is Kind.STEP and isinstance(beat.get("step"), int):
             self._on_step(beat)
-        elif kind == "resumed" and beat.get("local_rank", 0) == 0:
+        elif kind is Kind.RESUMED and beat.get("local_rank", 0) == 0:
             with self._lock:
                 before, self._step_before_fault = self._step_before_fault, None
                 if isinstance(beat.get("step"), int):
                     self._beat_step = beat["step"]
             if before is not None and isinstance(beat.get("step"), int) and before > beat["step"]:
                 m.lost_steps_total.inc(before - beat["step"])
-        elif kind == "nonfinite" and beat.get("local_rank", 0) == 0:
+        elif kind is Kind.NONFINITE and beat.get("local_rank", 0) == 0:
             action = str(beat.get("action"))
             if action in ("skip", "rollback", "stop"):
                 m.nonfinite_steps_total.labels(action=action).inc()
-        elif kind == "fatal" and beat.get("reason") == "nan" and beat.get("local_rank", 0) == 0:
+        elif kind is Kind.FATAL and beat.get("reason") == FatalReason.NAN and beat.get("local_rank", 0) == 0:
             m.nonfinite_steps_total.labels(action="stop").inc()
-        elif kind == "checkpoint_committed":
+        elif kind is Kind.CHECKPOINT_COMMITTED:
             m.checkpoint_last_step.set(int(beat.get("step", 0)))
             m.checkpoint_last_success_timestamp_seconds.set(float(beat.get("ts", time.time())))
             for phase, key in (("blocking", "blocking_s"), ("total", "total_s")):
                 if isinstance(beat.get(key), int | float):
                     m.checkpoint_duration_seconds.labels(phase=phase).observe(beat[key])
-        elif kind == "checkpoint_failed":
+        elif kind is Kind.CHECKPOINT_FAILED:
             self._checkpoint_failed(beat)
-        elif kind == "checkpoint_fenced":
+        elif kind is Kind.CHECKPOINT_FENCED:
             m.checkpoint_failures_total.labels(reason="fenced").inc()
             self._log().warning("checkpoint_fenced", step=beat.get("step"))
 

@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from elasticd.messages import Kind, kind_of
 from elasticd.metrics import HOT_FALLBACK_REASONS, RECONFIGURATION_REASONS, Metrics
 
 # Counts at or above this are not taken (a float cannot hold them exactly; far larger ones overflow it).
@@ -46,14 +47,14 @@ class Reconfigurations:
 
     def on_beat(self, beat: dict[str, Any]) -> None:
         """Called for every beat of every local worker; a change counts once per node (local rank 0's beat)."""
-        kind = beat.get("kind")
-        if kind == "reconfigured" and (heal_bytes := _count(beat, "heal_bytes")):
+        kind = kind_of(beat)
+        if kind is Kind.RECONFIGURED and (heal_bytes := _count(beat, "heal_bytes")):
             self._metrics.heal_bytes_total.inc(heal_bytes)
         if beat.get("local_rank", 0) != 0:
             return
-        if kind == "reconfigured":
+        if kind is Kind.RECONFIGURED:
             self._reconfigured(beat)
-        elif kind == "hot_fallback":
+        elif kind is Kind.HOT_FALLBACK:
             self._fallback(beat)
 
     def _reconfigured(self, beat: dict[str, Any]) -> None:

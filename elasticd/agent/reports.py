@@ -12,6 +12,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from elasticd.messages import Capability, Kind, kind_of
+
 
 @dataclass(frozen=True, slots=True)
 class Fatal:
@@ -41,24 +43,24 @@ class WorkerReports:
             self._fatal = None
 
     def on_beat(self, beat: dict[str, Any]) -> None:
-        kind = beat.get("kind")
+        kind = kind_of(beat)
         local_rank = int(beat.get("local_rank", 0))
         with self._lock:
-            if kind == "hello":
+            if kind is Kind.HELLO:
                 capabilities = beat.get("capabilities") or []
-                if "checkpoint_request" in capabilities:
+                if Capability.CHECKPOINT_REQUEST in capabilities:
                     self._capable.add(local_rank)
-                if "stacks" in capabilities:
+                if Capability.STACKS in capabilities:
                     self._stacks.add(local_rank)
-                if "in_place" in capabilities:
+                if Capability.IN_PLACE in capabilities:
                     self._in_place.add(local_rank)
-            elif kind == "checkpoint_saved" and beat.get("requested"):
+            elif kind is Kind.CHECKPOINT_SAVED and beat.get("requested"):
                 self._saved[local_rank] = (int(beat.get("step", 0)), beat.get("committed") is not False)
-            elif kind == "fatal" and self._fatal is None:
+            elif kind is Kind.FATAL and self._fatal is None:
                 self._fatal = Fatal(
                     str(beat.get("reason", "")), str(beat.get("message", "")), int(beat.get("exit_code", 1))
                 )
-            elif kind == "step" and isinstance(beat.get("step"), int):
+            elif kind is Kind.STEP and isinstance(beat.get("step"), int):
                 self.last_step = beat["step"]
 
     def all_capable(self) -> bool:

@@ -27,6 +27,7 @@ from elasticd.agent.policy import GroupState
 from elasticd.agent.registry import NodeRegistry
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
+from elasticd.messages import Kind, kind_of
 from elasticd.metrics import Metrics
 from elasticd.worker.batching import EXIT_RESIZE, BatchConstraint, spare_warning
 
@@ -38,7 +39,6 @@ TRAINING_NODES_KEY = "elasticd/training_nodes"
 AGREE_TIMEOUT_S = 30
 # Seconds between a spare's etcd reads (the round's participants, its peers' registry records) while it waits.
 WATCH_INTERVAL_S = 1.0
-BEAT_KIND = "batch_plan"
 
 
 class PlanStore(Protocol):
@@ -112,7 +112,7 @@ class Sizing:
     # -- the beat receiver's thread --------------------------------------------------------------------------------
 
     def on_beat(self, beat: dict[str, Any]) -> None:
-        if beat.get("kind") != BEAT_KIND:
+        if kind_of(beat) is not Kind.BATCH_PLAN:
             return
         constraint = BatchConstraint.from_json(beat)
         if constraint is not None:

@@ -38,6 +38,7 @@ from elasticd.etcd.client import EtcdError
 from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
 from elasticd.membership import Membership
+from elasticd.messages import Kind, kind_of
 from elasticd.metrics import Metrics
 from elasticd.rendezvous import faults as rdzv_faults
 from elasticd.rendezvous.handler import ElasticdRendezvousHandler
@@ -354,7 +355,7 @@ class ElasticdAgent(LocalElasticAgent):
         self.sizing.on_beat(beat)
         if isinstance(beat.get("rank"), int) and isinstance(beat.get("local_rank"), int):
             self._beat_ranks[beat["local_rank"]] = beat["rank"]
-        if beat.get("kind") == "reconfigured":
+        if kind_of(beat) is Kind.RECONFIGURED:
             self.regrouped_in_place = True
             if isinstance(beat.get("node_ids"), list) and beat["node_ids"]:
                 self._members = [str(n) for n in beat["node_ids"]]  # the group's nodes now, not the round's

@@ -16,17 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticd import options as o
+from elasticd.envvars import ETCD_PASSWORD as PASSWORD_ENV
 from elasticd.errors import ConfigError
 
-PASSWORD_ENV = "ELASTICD_ETCD_PASSWORD"
-# What the daemon exports so that workers connect the same way (values are file paths, or the user name).
+# What the daemon exports so that workers connect the same way: each option's own ELASTICD_<NAME> (values are file
+# paths, or the user name).
 _WORKER_ENV = {
-    "ca_cert": "ELASTICD_ETCD_CACERT",
-    "cert": "ELASTICD_ETCD_CERT",
-    "key": "ELASTICD_ETCD_KEY",
-    "user": "ELASTICD_ETCD_USER",
+    "ca_cert": o.ETCD_CACERT.env,
+    "cert": o.ETCD_CERT.env,
+    "key": o.ETCD_KEY.env,
+    "user": o.ETCD_USER.env,
 }
-PASSWORD_FILE_ENV = "ELASTICD_ETCD_PASSWORD_FILE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +58,7 @@ class EtcdAccess:
     def worker_env(self) -> dict[str, str]:
         env = {name: str(getattr(self, field)) for field, name in _WORKER_ENV.items() if getattr(self, field)}
         if self.password_file:
-            env[PASSWORD_FILE_ENV] = self.password_file
+            env[o.ETCD_PASSWORD_FILE.env] = self.password_file
         elif self.password is not None:
             env[PASSWORD_ENV] = self.password  # workers are this daemon's own children
         return env
@@ -70,7 +71,7 @@ class EtcdAccess:
             cert=e.get(_WORKER_ENV["cert"]),
             key=e.get(_WORKER_ENV["key"]),
             user=e.get(_WORKER_ENV["user"]),
-            password_file=e.get(PASSWORD_FILE_ENV),
+            password_file=e.get(o.ETCD_PASSWORD_FILE.env),
             env=e,
         )
 
@@ -86,25 +87,27 @@ def resolve_access(
 ) -> EtcdAccess:
     """Check the options together and read the password; every problem names the option."""
     e = os.environ if env is None else env
-    for flag, path in (("--etcd-cacert", ca_cert), ("--etcd-cert", cert), ("--etcd-key", key)):
+    for flag, path in ((o.ETCD_CACERT.flag, ca_cert), (o.ETCD_CERT.flag, cert), (o.ETCD_KEY.flag, key)):
         if path and not Path(path).is_file():
             raise ConfigError(flag, f"{path} does not exist or is not a file")
     if bool(cert) != bool(key):
-        raise ConfigError("--etcd-cert" if cert else "--etcd-key", "give the client certificate and its key together")
+        raise ConfigError(
+            o.ETCD_CERT.flag if cert else o.ETCD_KEY.flag, "give the client certificate and its key together"
+        )
     if cert and not ca_cert:
-        raise ConfigError("--etcd-cacert", "a client certificate needs the CA certificate that signed the server's")
+        raise ConfigError(o.ETCD_CACERT.flag, "a client certificate needs the CA certificate that signed the server's")
     password = None
     if password_file:
         try:
             password = Path(password_file).read_text().rstrip("\r\n")
         except OSError as exc:
-            raise ConfigError("--etcd-password-file", f"cannot read {password_file}: {exc.strerror}") from None
+            raise ConfigError(o.ETCD_PASSWORD_FILE.flag, f"cannot read {password_file}: {exc.strerror}") from None
     elif e.get(PASSWORD_ENV):
         password = e[PASSWORD_ENV]
     if user and password is None:
-        raise ConfigError("--etcd-user", f"needs a password: --etcd-password-file or {PASSWORD_ENV}")
+        raise ConfigError(o.ETCD_USER.flag, f"needs a password: {o.ETCD_PASSWORD_FILE.flag} or {PASSWORD_ENV}")
     if password is not None and not user:
-        raise ConfigError("--etcd-user", "a password was given but no user")
+        raise ConfigError(o.ETCD_USER.flag, "a password was given but no user")
     return EtcdAccess(
         ca_cert=ca_cert or None,
         cert=cert or None,
@@ -112,4 +115,21 @@ def resolve_access(
         user=user or None,
         password=password,
         password_file=password_file or None,
+    )
+
+
+def access_from_options(values: Mapping[str, object]) -> EtcdAccess:
+    """The access the ``--etcd-cacert/--etcd-cert/--etcd-key/--etcd-user/--etcd-password-file`` options give (values
+    by field name; the password also from its environment variable)."""
+
+    def text(option: o.Option) -> str | None:
+        value = values.get(option.field)
+        return str(value) if value else None
+
+    return resolve_access(
+        ca_cert=text(o.ETCD_CACERT),
+        cert=text(o.ETCD_CERT),
+        key=text(o.ETCD_KEY),
+        user=text(o.ETCD_USER),
+        password_file=text(o.ETCD_PASSWORD_FILE),
     )

@@ -26,6 +26,8 @@ import pyetcd.exceptions
 import pyetcd.utils
 import tenacity
 
+from elasticd import options as o
+from elasticd.envvars import ETCD_PASSWORD
 from elasticd.errors import ConfigError, ElasticdError, EtcdAccessError, EtcdUnavailableError
 from elasticd.etcd.endpoints import Endpoint, format_endpoints
 
@@ -114,7 +116,7 @@ class EtcdClient:
         cls,
         endpoints: Sequence[Endpoint],
         *,
-        connect_timeout_s: float = 10.0,
+        connect_timeout_s: float = o.ETCD_CONNECT_TIMEOUT.default,
         request_timeout_s: float = 5.0,
         ca_cert: str | None = None,
         cert: str | None = None,
@@ -128,7 +130,7 @@ class EtcdClient:
         Raises ConfigError for inconsistent TLS/auth options and EtcdUnavailableError when nobody answered.
         """
         if not endpoints:
-            raise ConfigError("--etcd", "no etcd endpoint given")
+            raise ConfigError(o.ETCD.flag, "no etcd endpoint given")
         if (user is None) != (password is None):
             raise ConfigError("etcd user/password", "give both the user and the password, or neither")
         creds = _tls_credentials(ca_cert, cert, key)
@@ -454,7 +456,7 @@ def _access_error(error: EtcdError, endpoints: str) -> EtcdAccessError | None:
     detail = str(error).lower()
     if error.code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or any(s in detail for s in _ACCESS_DENIED):
         hint = "check --etcd-cacert/--etcd-cert/--etcd-key" if "cert" in detail or "ssl" in detail else ""
-        hint = hint or "check --etcd-user and the password (--etcd-password-file or ELASTICD_ETCD_PASSWORD)"
+        hint = hint or f"check {o.ETCD_USER.flag} and the password ({o.ETCD_PASSWORD_FILE.flag} or {ETCD_PASSWORD})"
         return EtcdAccessError(f"etcd at {endpoints} refused the connection: {error.code}: {_short(error)}; {hint}")
     return None
 

@@ -12,6 +12,7 @@ import socket
 import threading
 from pathlib import Path
 
+from elasticd import options as o
 from elasticd.errors import EXIT_OK, ConfigError
 from elasticd.etcd.server import EmbeddedEtcd
 
@@ -19,8 +20,7 @@ HOST = "127.0.0.1"
 
 
 def serve_forever(data_dir: Path | None, port: int) -> int:
-    if not 1 <= port <= 65535:
-        raise ConfigError("--port", f"must be a TCP port 1-65535, got {port}")
+    o.PORT.value(port)
     _check_free(port)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -48,5 +48,5 @@ def _check_free(port: int) -> None:
             probe.bind((HOST, port))
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
-                raise ConfigError("--port", f"port {port} on {HOST} is already in use") from None
+                raise ConfigError(o.PORT.flag, f"port {port} on {HOST} is already in use") from None
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from elasticd import options as o
 from elasticd.errors import ConfigError
 
 DEFAULT_PORT = 2379  # etcd's IANA-registered client port
@@ -43,7 +44,7 @@ def format_endpoints(endpoints: tuple[Endpoint, ...] | list[Endpoint]) -> str:
     return ",".join(str(endpoint) for endpoint in endpoints)
 
 
-def parse_endpoints(text: str, *, key: str = "--etcd") -> tuple[Endpoint, ...]:
+def parse_endpoints(text: str, *, key: str = o.ETCD.flag) -> tuple[Endpoint, ...]:
     """Parse a comma-separated endpoint list; duplicates are dropped, order is kept.
 
     Raises ConfigError(key, ...) naming the first malformed entry and the expected form.

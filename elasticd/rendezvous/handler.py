@@ -30,6 +30,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from elasticd import envvars
+from elasticd import options as o
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
@@ -60,7 +61,7 @@ CLOSE_TIMEOUT_S = 30
 HEARTBEAT_TIMEOUT_S = 5
 # Bound on reaching etcd when the handler is built; an unreachable etcd is a configuration error, reported
 # fast.
-CONNECT_TIMEOUT_S = 10
+CONNECT_TIMEOUT_S = o.ETCD_CONNECT_TIMEOUT.default
 
 
 class ElasticdRendezvousHandler(DynamicRendezvousHandler):

@@ -135,7 +135,7 @@ class EtcdV3Store(dist.Store):
 
     def _timeout(self) -> timedelta:
         # The C++ base class holds the timeout (set_timeout, PrefixStore); torch's stubs do not declare it.
-        return cast(timedelta, self.timeout)  # type: ignore[attr-defined]
+        return cast(timedelta, self.timeout)  # type: ignore[attr-defined]  # not in torch's stubs
 
     def _key(self, key: str | bytes) -> str:
         return self._prefix + (key.decode("utf-8", "surrogateescape") if isinstance(key, bytes) else key)

@@ -1,7 +1,7 @@
 """Progress beats from a worker to its node's daemon, over a Unix datagram socket that never blocks a step.
 
-A beat is one JSON datagram: ``{"kind": "step", "rank", "step", "loss", "samples", "step_time_s", "train_s", "phase",
-"ts"}``; step beats come at most every 250 ms (``samples`` and ``train_s`` add up the steps since the last one).
+A beat is one JSON datagram, a message of the protocol in :mod:`elasticd.messages` (its kinds, fields and version);
+step beats come at most every 250 ms (``samples`` and ``train_s`` add up the steps since the last one).
 Sending is fire-and-forget: a full socket buffer, a missing daemon or a closed socket drops the beat and training
 goes on. Without ``ELASTICD_SOCKET`` (plain ``python`` or ``accelerate launch``) :meth:`BeatClient.from_env`
 returns a client whose ``send`` does nothing.
@@ -9,13 +9,13 @@ returns a client whose ``send`` does nothing.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
 from typing import Any
 
 from elasticd import envvars
+from elasticd.messages import Kind, encode
 
 
 class BeatClient:
@@ -42,19 +42,13 @@ class BeatClient:
     def enabled(self) -> bool:
         return self._sock is not None
 
-    def send(self, kind: str = "step", **fields: Any) -> bool:
+    def send(self, kind: Kind = Kind.STEP, **fields: Any) -> bool:
         """Send one beat; returns whether it left the process (False is normal without a daemon)."""
         if self._sock is None or self.path is None:
             return False
-        message = {
-            "kind": kind,
-            "rank": self.rank,
-            "local_rank": self.local_rank,
-            "ts": time.time(),
-            **fields,
-        }
+        message = encode(kind, fields, rank=self.rank, local_rank=self.local_rank, ts=time.time())
         try:
-            self._sock.sendto(json.dumps(message, separators=(",", ":")).encode(), self.path)
+            self._sock.sendto(message, self.path)
         except OSError:  # daemon gone, buffer full, socket removed: never stall training on telemetry
             return False
         return True

@@ -1,4 +1,4 @@
-"""Committed checkpoints on disk, in the layout of DESIGN.md §3.
+"""Committed checkpoints on disk, in the layout of DESIGN.md §3 (the names: :mod:`elasticd.layout`).
 
 ::
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import time
 from collections.abc import Callable
@@ -32,21 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from elasticd.layout import MANIFEST, RunLayout, committed_step, is_partial
 from elasticd.lineage import LOCAL_WRITER, CheckpointRecord, writer_id
 
-MANIFEST = "elasticd.json"
 MANIFEST_VERSION = 1
-_COMMITTED = re.compile(r"^step-(\d{12})$")
-# ``step-N.<writer>.partial``; ``step-N.partial`` (no writer) was the layout of elasticd 0.1.
-_PARTIAL = re.compile(r"^step-(\d{12})(?:\.([A-Za-z0-9]+))?\.partial$")
 # A fence: True when the checkpoint of this record may be committed (it is then recorded).
 Fence = Callable[[CheckpointRecord], bool]
 # Hashing reads files in chunks of this many bytes: large enough for throughput, small enough to bound memory.
 _HASH_CHUNK_BYTES = 1 << 20
-
-
-def step_dirname(step: int) -> str:
-    return f"step-{step:012d}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +76,8 @@ class CheckpointStore:
     """The checkpoints of one run under ``root / run_id``."""
 
     def __init__(self, root: Path | str, run_id: str = "default", keep: int = 3, token: str | None = None) -> None:
-        self.dir = Path(root) / run_id
+        self.layout = RunLayout(Path(root), run_id)
+        self.dir = self.layout.dir
         self.keep = keep
         self.token = token or LOCAL_WRITER  # the writer's fencing token (elasticd/lineage.py); "local" without one
         self.writer = writer_id(token)
@@ -100,9 +93,9 @@ class CheckpointStore:
             return []
         found = []
         for entry in self.dir.iterdir():
-            match = _COMMITTED.match(entry.name)
-            if match and (entry / MANIFEST).is_file():
-                found.append(Checkpoint(int(match.group(1)), entry))
+            step = committed_step(entry.name)
+            if step is not None and (entry / MANIFEST).is_file():
+                found.append(Checkpoint(step, entry))
         return sorted(found, key=lambda c: c.step)
 
     def latest(self) -> Checkpoint | None:
@@ -163,7 +156,7 @@ class CheckpointStore:
 
     def partial_path(self, step: int) -> Path:
         """This writer's directory for ``step``."""
-        return self.dir / f"{step_dirname(step)}.{self.writer}.partial"
+        return self.layout.partial(step, self.writer)
 
     def begin(self, step: int) -> Path:
         """A fresh, empty directory of this writer to save ``step`` into."""
@@ -186,7 +179,7 @@ class CheckpointStore:
             fh.flush()
             os.fsync(fh.fileno())
         _fsync_dir(partial)
-        final = self.dir / step_dirname(step)
+        final = self.layout.checkpoint(step)
         # The same step committed before (a save right after resuming there): that one stays, this one goes.
         existing = final / MANIFEST if (final / MANIFEST).is_file() else None
         record = CheckpointRecord(
@@ -214,8 +207,7 @@ class CheckpointStore:
         removed = []
         if self.dir.is_dir():
             for entry in self.dir.iterdir():
-                match = _PARTIAL.match(entry.name)
-                if match and entry.name not in keep:
+                if is_partial(entry.name) and entry.name not in keep:
                     shutil.rmtree(entry, ignore_errors=True)
                     removed.append(entry)
         return removed

@@ -29,18 +29,11 @@ from types import TracebackType
 from typing import IO
 
 from elasticd.board import Phase, SlotWriter
+from elasticd.layout import flight_recorder_path, stacks_path
 
 STACKS_SIGNAL = signal.SIGUSR1
 # Seconds between two looks at the dump-request counter: a memory read, no system call.
 _REQUEST_POLL_S = 0.1
-
-
-def stacks_path(board_dir: str | Path, local_rank: int) -> Path:
-    return Path(board_dir) / f"stacks-{local_rank}.txt"
-
-
-def flight_recorder_path(board_dir: str | Path, local_rank: int) -> Path:
-    return Path(board_dir) / f"fr-{local_rank}.json"
 
 
 class WorkerDiagnostics:
@@ -90,6 +83,6 @@ def flight_recorder_dump() -> bytes:
     try:
         import torch._C._distributed_c10d as c10d
 
-        return bytes(c10d._dump_fr_trace_json(includeCollectives=True))  # type: ignore[attr-defined]
+        return bytes(c10d._dump_fr_trace_json(includeCollectives=True))  # type: ignore[attr-defined]  # private, not in stubs
     except Exception as exc:  # an old torch, a build without distributed: no recorder, still an answer
         return f'{{"error": "{type(exc).__name__}"}}'.encode()

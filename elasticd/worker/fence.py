@@ -9,10 +9,11 @@ token replaced and its commit refused, so it can never add to the lineage.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from elasticd.errors import EtcdUnavailableError
-from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage
 
@@ -20,20 +21,15 @@ from elasticd.lineage import CheckpointRecord, Lineage
 class EtcdFence:
     """``fence(record) -> bool``: True when ``record`` was committed (this worker's token is still current)."""
 
-    def __init__(self, endpoints: str, run_id: str, token: str, *, connect_timeout_s: float = 10.0) -> None:
-        self._endpoints = endpoints
+    def __init__(self, connect_args: Callable[[], dict[str, Any]], run_id: str, token: str) -> None:
+        self._connect_args = connect_args  # EtcdClient.connect's: WorkerSettings.etcd_connect_args
         self._keys = RunKeys(run_id)
         self.token = token
-        self._connect_timeout_s = connect_timeout_s
         self._client: EtcdClient | None = None
 
     def _lineage(self) -> Lineage:
         if self._client is None:  # lazily: only rank 0 ever needs etcd
-            self._client = EtcdClient.connect(
-                parse_endpoints(self._endpoints),
-                connect_timeout_s=self._connect_timeout_s,
-                **EtcdAccess.from_worker_env().connect_kwargs(),
-            )
+            self._client = EtcdClient.connect(**self._connect_args())
         return Lineage(self._client, self._keys)
 
     def __call__(self, record: CheckpointRecord) -> bool:

@@ -24,10 +24,9 @@ from elasticd.agent.joining import group_alive, read_group
 from elasticd.agent.registry import read_nodes
 from elasticd.board import Phase
 from elasticd.errors import EXIT_REJOIN, ElasticdError
-from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
+from elasticd.messages import Kind
 from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.session import (
@@ -69,9 +68,7 @@ class HotPath:
         if not is_gloo_world():
             return cls._unsupported(run, "a process group other than gloo's default one (NCCL: not yet wired)")
         try:
-            client = EtcdClient.connect(
-                parse_endpoints(s.etcd), connect_timeout_s=10.0, **EtcdAccess.from_worker_env().connect_kwargs()
-            )
+            client = EtcdClient.connect(**s.etcd_connect_args())
         except (EtcdError, ElasticdError) as exc:
             return cls._unsupported(run, f"etcd unreachable from the worker: {exc}")
         minimum = (s.min_nodes or 1) * s.nproc_per_node
@@ -152,7 +149,7 @@ class HotPath:
     @staticmethod
     def _unsupported(run: Run, why: str) -> None:
         run.log.warning("hot_recovery_unsupported", reason=why, fallback="cold restarts from checkpoints")
-        run.beats.send("hot_fallback", reason="unsupported", message=why)
+        run.beats.send(Kind.HOT_FALLBACK, reason="unsupported", message=why)
         if run.settings.join_round is not None:
             # a joiner that cannot join in place leaves it to its daemon: through the rendezvous, cold
             sys.stdout.flush()
@@ -217,13 +214,13 @@ class HotPath:
             return
         report, self._report = self._report, None
         seconds = time.monotonic() - float(report.pop("detected_at"))
-        self.run.beats.send("reconfigured", seconds=round(seconds, 4), **report)
+        self.run.beats.send(Kind.RECONFIGURED, seconds=round(seconds, 4), **report)
         self.run.log.info("reconfigured", seconds=round(seconds, 4), **report)
 
     def _fall_back(self, reason: str, message: str, code: int = EXIT_HOT_FALLBACK) -> NoReturn:
         run = self.run
         run.log.error("hot_fallback", reason=reason, message=message)
-        run.beats.send("hot_fallback", reason=reason, message=message)
+        run.beats.send(Kind.HOT_FALLBACK, reason=reason, message=message)
         run.saver.wait()  # this rank's own write and commit: nothing sealed is lost
         # The daemon sees a failed worker and restarts cold (a joiner's: goes through the rendezvous).
         self._exit(code)

@@ -34,9 +34,11 @@ import structlog
 import torch
 from accelerate.utils import broadcast_object_list
 
-from elasticd.board import NullSlotWriter, Phase, SlotWriter, slot_path
+from elasticd.board import NullSlotWriter, Phase, SlotWriter
 from elasticd.errors import EXIT_USAGE, ConfigError
+from elasticd.layout import slot_path
 from elasticd.logging import configure_logging, get_logger
+from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.worker.batching import EXIT_RESIZE, BatchConstraint, BatchPlan, BatchPlanError, plan_batches
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
@@ -47,7 +49,7 @@ from elasticd.worker.fence import EtcdFence
 from elasticd.worker.guard import NonFiniteGuard, Verdict
 from elasticd.worker.hot_path import HotPath
 from elasticd.worker.sampler import ElasticSampler, StepSlice, micro_batch_loader
-from elasticd.worker.saver import FAILED, CheckpointFailedError, CheckpointSaver
+from elasticd.worker.saver import FAILED, FENCED, SEALED, WRITTEN, CheckpointFailedError, CheckpointSaver
 from elasticd.worker.settings import WorkerSettings
 from elasticd.worker.state import TrainingState
 
@@ -84,7 +86,7 @@ class Run:
         self.world_size = int(accelerator.num_processes)
         self.state = TrainingState()
         s = self.settings
-        self.store = CheckpointStore(s.checkpoint_dir, s.run_id, keep=s.keep, token=s.fence_token)
+        self.store = CheckpointStore(s.checkpoint_dir, s.run_id, keep=s.keep_checkpoints, token=s.fence_token)
         self.beats = BeatClient.from_env()
         board = self.settings.board
         # where this rank is right now, for the daemon's hang watchdog; stacks and flight recorder on request
@@ -95,11 +97,11 @@ class Run:
         self.coordinator = Coordinator(
             rank=self.rank,
             world_size=self.world_size,
-            every_steps=self.settings.every_steps,
-            every_seconds=self.settings.every_seconds,
+            every_steps=self.settings.checkpoint_every_steps,
+            every_seconds=self.settings.checkpoint_every_seconds,
         )
         # under a daemon: commits are recorded in the run's lineage, and only what it records is ever loaded
-        self.fence = EtcdFence(s.etcd, s.run_id, s.fence_token) if s.etcd and s.fence_token else None
+        self.fence = EtcdFence(s.etcd_connect_args, s.run_id, s.fence_token) if s.etcd and s.fence_token else None
         self.saver = CheckpointSaver(accelerator, self.store, fence=self.fence, on_event=self._on_save_event)
         if not structlog.is_configured():
             configure_logging(stdlib=False)
@@ -158,11 +160,12 @@ class Run:
             self._resize_or_stop(exc)
         except ConfigError as exc:
             # A restart would fail the same way: tell the daemon to stop the run with the usage exit code.
-            self.beats.send("fatal", reason="config", message=str(exc), exit_code=EXIT_USAGE)
+            self.beats.send(Kind.FATAL, reason=FatalReason.CONFIG, message=str(exc), exit_code=EXIT_USAGE)
             raise TrainingStopped(f"elasticd: error: {exc}") from None
         # the daemons decide from it which node counts train when a node comes or goes (agent/spares.py)
         self.beats.send(
-            "batch_plan", **BatchConstraint(plan.global_batch_size, plan.micro_batch_size, s.nproc_per_node).to_json()
+            Kind.BATCH_PLAN,
+            **BatchConstraint(plan.global_batch_size, plan.micro_batch_size, s.nproc_per_node).to_json(),
         )
         self.plan = plan
         self._seed = seed
@@ -177,10 +180,10 @@ class Run:
         report the constraint and exit for the daemons to re-form with spares; otherwise the run cannot go on."""
         if error.fitting_nodes and self.beats.enabled:
             constraint = BatchConstraint(error.global_batch_size, error.micro_batch_size, self.settings.nproc_per_node)
-            self.beats.send("batch_plan", **constraint.to_json())
+            self.beats.send(Kind.BATCH_PLAN, **constraint.to_json())
             self.log.warning("resize_requested", world_size=self.world_size, fitting_nodes=list(error.fitting_nodes))
             raise SystemExit(EXIT_RESIZE)
-        self.beats.send("fatal", reason="config", message=str(error), exit_code=EXIT_USAGE)
+        self.beats.send(Kind.FATAL, reason=FatalReason.CONFIG, message=str(error), exit_code=EXIT_USAGE)
         raise TrainingStopped(f"elasticd: error: {error}") from None
 
     def resume(self, model: Any, optimizer: Any, scheduler: Any = None) -> TrainingState:
@@ -201,12 +204,12 @@ class Run:
         self.coordinator.listen()
         # only now may the daemon send SIGUSR2 (its default action would kill this process), and SIGUSR1 for stacks
         capabilities = [
-            "checkpoint_request",
-            *(["stacks"] if self.diagnostics else []),
-            *(["in_place"] if self.hot is not None else []),
+            Capability.CHECKPOINT_REQUEST,
+            *([Capability.STACKS] if self.diagnostics else []),
+            *([Capability.IN_PLACE] if self.hot is not None else []),
         ]
-        self.beats.send("hello", capabilities=capabilities, pid=os.getpid())
-        self.beats.send("resumed", step=self.state.step)
+        self.beats.send(Kind.HELLO, capabilities=capabilities, pid=os.getpid())
+        self.beats.send(Kind.RESUMED, step=self.state.step)
         self.slot.resumed(self.state.step)
         self._step_started = time.perf_counter()
         return self.state
@@ -357,6 +360,7 @@ class Run:
         if now - self._last_beat >= BEAT_INTERVAL_S or verdict is not Verdict.OK:
             self._last_beat = now
             self.beats.send(
+                Kind.STEP,
                 step=step,
                 loss=self._loss_value(),
                 samples=self._unreported_samples,
@@ -445,7 +449,7 @@ class Run:
             nonfinite_steps=self.state.nonfinite_steps + 1,
             skipped_steps=self.state.skipped_steps | {(step_slice.epoch, step_slice.position)},
         )
-        self.beats.send("nonfinite", step=self.state.step, action=verdict.value)
+        self.beats.send(Kind.NONFINITE, step=self.state.step, action=verdict.value)
         self.log.warning("nonfinite_step", step=self.state.step, action=verdict.value)
         if verdict is Verdict.ROLLBACK:
             self._rollback()
@@ -455,7 +459,7 @@ class Run:
                 f"({self.state.nonfinite_steps} non-finite steps, {self.state.rollbacks} rollbacks; --on-nan "
                 f"{self.settings.on_nan})"
             )
-            self.beats.send("fatal", reason="nan", message=message, exit_code=1)
+            self.beats.send(Kind.FATAL, reason=FatalReason.NAN, message=message, exit_code=1)
             self.saver.wait()
             raise TrainingStopped(message)
 
@@ -516,7 +520,7 @@ class Run:
         if planned:
             # the daemon waits for this before a planned change; a refused or failed commit means the steps since
             # the last committed checkpoint will be redone, and it says so
-            self.beats.send("checkpoint_saved", step=self.state.step, requested=True, committed=bool(committed))
+            self.beats.send(Kind.CHECKPOINT_SAVED, step=self.state.step, requested=True, committed=bool(committed))
 
     def _park(self) -> None:
         """After a requested checkpoint: wait to be stopped for the planned change (see PARK_TIMEOUT_S)."""
@@ -529,13 +533,13 @@ class Run:
         self.slot.set_phase(Phase.TRAINING)
 
     def _on_save_event(self, event: str, fields: dict[str, Any]) -> None:
-        if event == "checkpoint_written":
+        if event == WRITTEN:
             self.faults.during_checkpoint(int(fields["step"]))
             return
-        if event == "checkpoint_sealed":
+        if event == SEALED:
             self.faults.before_commit(int(fields["step"]))
             return
-        if event == "checkpoint_fenced":
+        if event == FENCED:
             self.log.warning(event, **fields)
         if event == FAILED:
             self.log.warning(
@@ -546,11 +550,11 @@ class Run:
                 path=fields.get("path"),
                 os_error=fields.get("os_error"),
             )
-        self.beats.send(event, **fields)
+        self.beats.send(Kind(event), **fields)  # the saver's other events are messages of these kinds
 
     def _bad_checkpoint(self, checkpoint: Checkpoint, reason: str) -> None:
         self.log.warning("checkpoint_unusable", path=str(checkpoint.path), reason=reason)
-        self.beats.send("checkpoint_unusable", step=checkpoint.step, reason=reason)
+        self.beats.send(Kind.CHECKPOINT_UNUSABLE, step=checkpoint.step, reason=reason)
 
     def _stepped_over(self, step_slice: StepSlice) -> None:
         self.log.info("batch_skipped", epoch=step_slice.epoch, position=step_slice.position)

@@ -32,12 +32,15 @@ from accelerate.data_loader import IterableDatasetShard
 from accelerate.utils import RNG_STATE_NAME, DistributedType, broadcast_object_list
 
 from elasticd import rundir
+from elasticd.layout import done_marker
 from elasticd.lineage import CheckpointRecord
+from elasticd.messages import Kind
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
 
-COMMITTED = "checkpoint_committed"
-FAILED = "checkpoint_failed"
-FENCED = "checkpoint_fenced"
+# The events a rank's daemon hears of: the worker forwards them as messages of these kinds.
+COMMITTED = Kind.CHECKPOINT_COMMITTED
+FAILED = Kind.CHECKPOINT_FAILED
+FENCED = Kind.CHECKPOINT_FENCED
 # This rank's files are on disk, not yet committed (fault injection kills a rank here: a torn checkpoint).
 WRITTEN = "checkpoint_written"
 # Rank 0: every file and the manifest are durable, the fence is asked next (fault injection freezes a node here).
@@ -53,8 +56,6 @@ _NO_SNAPSHOT = frozenset(
 _MARKER_POLL_S = 0.05
 # accelerate's random_states_{rank}.pkl holds torch_{device}_manual_seed for each device whose is_{device}_available().
 _RNG_DEVICES = ("cuda", "xpu", "mlu", "sdaa", "musa", "hpu", "neuron")
-# Written by each rank's writer when its files are complete; rank 0 commits once it sees all of them.
-_MARKER = ".rank-{}.done"
 # The error of a rank that failed only because another rank's write did (the one with the OS error reports that).
 PEER_FAILED = "another rank's write of this checkpoint failed"
 
@@ -304,7 +305,7 @@ class CheckpointSaver:
             # save_accelerator_state wrote the RNG of this moment, mid-training; resuming needs the snapshot's.
             torch.save(rng, partial / f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
             self._emit(WRITTEN, step=step)
-            (partial / _MARKER.format(acc.process_index)).touch()
+            (partial / done_marker(acc.process_index)).touch()  # rank 0 commits once it sees every rank's
             if acc.is_main_process:
                 self._await_markers(partial, acc.num_processes)
                 self._commit(step, meta, start, blocking_s)
@@ -314,7 +315,7 @@ class CheckpointSaver:
             self._failed(step, exc if partial.is_dir() else _PeerFailedError(PEER_FAILED))
 
     def _await_markers(self, partial: Path, world_size: int) -> None:
-        markers = [partial / _MARKER.format(rank) for rank in range(world_size)]
+        markers = [partial / done_marker(rank) for rank in range(world_size)]
         deadline = time.monotonic() + self._commit_timeout_s
         while missing := [m.name for m in markers if not m.exists()]:
             if not partial.is_dir():  # a rank whose write failed removed it: no marker is coming

@@ -27,10 +27,11 @@ import click
 import pytest
 import yaml
 
-from elasticd import cli
+from elasticd import cli, options
 from elasticd.config import StartConfig
 from elasticd.errors import EXIT_USAGE
 from elasticd.etcd.access import PASSWORD_ENV
+from tests.helpers import records
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -202,8 +203,7 @@ def test_unit_stops_elasticd_alone_with_sigterm_within_the_drain_budget() -> Non
     service = unit()["Service"]
     assert service["Type"] == "simple"
     assert service["KillSignal"] == "SIGTERM" and service["KillMode"] == "mixed"
-    default = next(p.default for p in cli.start.params if p.name == "drain_timeout_s")
-    drain = float(env_file().get("ELASTICD_DRAIN_TIMEOUT", default))
+    drain = float(env_file().get(options.DRAIN_TIMEOUT.env) or options.DRAIN_TIMEOUT.default)
     assert int(service["TimeoutStopSec"]) >= drain + STOP_MARGIN_S
 
 
@@ -239,7 +239,7 @@ def test_env_file_resolves_to_a_valid_elasticd_config(
     args = ["start", str(root) + env["TRAIN_SCRIPT"], *shlex.split(env["TRAIN_ARGS"])]
     assert words[2:] == ["$TRAIN_SCRIPT", "$TRAIN_ARGS"]
     seen: list[StartConfig] = []
-    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", records(seen, result=0))
     assert cli.main(args) == 0, capsys.readouterr().err
     cfg = seen[0]
     assert len(cfg.etcd) == 3 and cfg.etcd_access.user and cfg.etcd_access.password == "ELASTICD_ETCD_PASSWORD_FILE"

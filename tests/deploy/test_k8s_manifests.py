@@ -37,7 +37,7 @@ from elasticd.config_file import load_config_file
 from elasticd.errors import EXIT_USAGE
 from elasticd.etcd.access import PASSWORD_ENV
 from elasticd.etcd.server import find_etcd_binary
-from tests.helpers import ETCD_READY_TIMEOUT_S, free_port, kill_tree
+from tests.helpers import ETCD_READY_TIMEOUT_S, free_port, kill_tree, records
 from tests.integration.cluster import EXAMPLE, train_args, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,9 +196,10 @@ def test_every_object_validates_strictly(directory: Path, version: str) -> None:
 
 def test_strict_validation_rejects_an_unknown_field() -> None:
     """The validator is really strict: a misspelt field fails (so the test above cannot pass vacuously)."""
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {"containers": [{"name": "c"}]}}
+    spec: dict[str, Any] = {"containers": [{"name": "c"}]}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec}
     kubernetes_validate.validate(pod, OLDEST_K8S, strict=True)
-    pod["spec"]["terminationGracePeriod"] = 10
+    spec["terminationGracePeriod"] = 10
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(pod, OLDEST_K8S, strict=True)
 
@@ -263,7 +264,7 @@ def test_etcd_image_is_pinned_to_a_3_5_release() -> None:
 def test_etcd_serves_v3_only_over_mutual_tls() -> None:
     """No v2 API; clients and peers speak https and must present a certificate signed by the CA."""
     _sts, c, args = _etcd()
-    flags = dict(a.split("=", 1) if "=" in a else (a, "") for a in args if a.startswith("--"))
+    flags = dict(a.partition("=")[::2] for a in args if a.startswith("--"))
     assert not any(a.startswith("--enable-v2") for a in args)
     assert not any(e["name"].startswith("ETCD_ENABLE_V2") for e in c.get("env", []))
     for flag in ("--client-cert-auth", "--peer-client-cert-auth"):
@@ -484,7 +485,7 @@ def pod(
         monkeypatch.setenv(var["name"], template["metadata"]["labels"][label[1]] if label else fields[path])
 
     seen: list[StartConfig] = []
-    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", records(seen, result=0))
     code = cli.main([inside(a) for a in c["args"]])
     assert code == 0, capsys.readouterr().err
     return Pod(docs, owner, template, seen[0], root)

@@ -61,6 +61,11 @@ def read_json_lines(path: Path) -> Iterator[dict[str, Any]]:
                 yield record
 
 
+def step_after(t: float, world_size: int) -> Callable[[dict[str, Any]], bool]:
+    """``Cluster.wait_step``'s condition: a step line printed after ``t`` (unix s) at ``world_size`` workers."""
+    return lambda step: step["t"] > t and step["world_size"] == world_size
+
+
 def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str, poll_s: float = 0.1) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -94,7 +99,7 @@ class Node:
                 raise AssertionError(f"{self.name} exited {self.proc.returncode} before {name}:\n{self.tail()}")
             return matches[-1] if matches else None
 
-        return wait_until(found, timeout_s, f"{self.name}: event {name}")  # type: ignore[no-any-return]
+        return wait_until(found, timeout_s, f"{self.name}: event {name}")
 
     def worker_pids(self) -> list[int]:
         """Every process below the daemon but its reaper (elasticd/agent/reaper.py), which is no worker."""
@@ -197,11 +202,19 @@ class Cluster:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def wait_step(self, where: Callable[[dict[str, Any]], bool], timeout_s: float = 90, what: str = "") -> dict:  # type: ignore[type-arg]
+    def newest_step(self) -> dict[str, Any]:
+        """The last step line; fails the test when there is none yet."""
+        step = self.last_step()
+        assert step is not None, "no step line yet"
+        return step
+
+    def wait_step(
+        self, where: Callable[[dict[str, Any]], bool], timeout_s: float = 90, what: str = ""
+    ) -> dict[str, Any]:
         def found() -> dict[str, Any] | None:
             return next((s for s in self.all_steps() if where(s)), None)
 
-        return wait_until(found, timeout_s, what or "a matching step", poll_s=0.05)  # type: ignore[no-any-return]
+        return wait_until(found, timeout_s, what or "a matching step", poll_s=0.05)
 
     def close(self) -> None:
         for node in self.nodes.values():

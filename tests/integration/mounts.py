@@ -84,7 +84,7 @@ def exhaust_inodes(path: Path) -> list[Path]:
     """Create empty files in ``path/inodes`` until no inode is left; the files made (remove them to give back)."""
     folder = path / "inodes"
     folder.mkdir(exist_ok=True)
-    made = []
+    made: list[Path] = []
     while True:
         name = folder / f"i{len(made)}"
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.evidence import RankEvidence
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
+from tests.helpers import etcd_value
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -42,7 +44,7 @@ def test_first_claim_owns_the_hang_and_everyone_acts_on_its_summary(etcd_client:
     assert b.claim(3, "t2-hang") == ("t1-hang", False)
     assert b.claimed(3) == "t1-hang"
 
-    results: dict[str, dict] = {}  # type: ignore[type-arg]
+    results: dict[str, dict[str, Any] | None] = {}
 
     def follower() -> None:
         b.report(3, [replace(EVIDENCE, rank=1, node="b", collectives=11, pending_collective="")])
@@ -53,7 +55,7 @@ def test_first_claim_owns_the_hang_and_everyone_acts_on_its_summary(etcd_client:
     a.report(3, [EVIDENCE])
     results["a"] = a.decide(3, ["a", "b"], owner=True, extra={"path": "/x/t1-hang"})
     thread.join(timeout=20)
-    assert results["a"] == results["b"]
+    assert results["a"] is not None and results["a"] == results["b"]
     assert results["a"]["culprit_ranks"] == [1] and results["a"]["nodes_reported"] == ["a", "b"]
     assert results["a"]["attempt"] == 1
 
@@ -65,7 +67,9 @@ def test_repeats_at_the_same_step_are_counted_and_a_new_step_starts_over(etcd_cl
     for round_, step in ((1, 31), (2, 31), (3, 31), (4, 57)):
         agreement.claim(round_, f"h{round_}")
         agreement.report(round_, [replace(EVIDENCE, entered_step=step)])
-        attempts.append(agreement.decide(round_, ["a"], owner=True, extra={})["attempt"])
+        decided = agreement.decide(round_, ["a"], owner=True, extra={})
+        assert decided is not None
+        attempts.append(decided["attempt"])
     assert attempts == [1, 2, 3, 1]
 
 
@@ -110,23 +114,28 @@ def test_the_owner_never_waits_for_a_lost_node_and_names_it_without_counting_a_r
     assert etcd_client.get(keys.hang_last) is None  # a lost node never counts toward --hang-attempts
 
 
+def _attempt(decided: dict[str, Any] | None) -> int:
+    assert decided is not None, "no diagnosis was decided"
+    return int(decided["attempt"])
+
+
 def test_one_hang_per_round_counts_and_a_late_report_of_an_older_round_never_does(etcd_client: EtcdClient) -> None:
     keys = RunKeys("late")
     a, c = HangAgreement(etcd_client, keys, "a"), HangAgreement(etcd_client, keys, "c")
     a.claim(5, "h5")
     a.report(5, [EVIDENCE], "h5")
-    assert a.decide(5, ["a"], owner=True, extra={"hang": "h5"})["attempt"] == 1  # type: ignore[index]
+    assert _attempt(a.decide(5, ["a"], owner=True, extra={"hang": "h5"})) == 1
     # a second diagnosis of the same round (a node that diagnosed alone) is the same hang
     a.report(5, [EVIDENCE], "h5")
-    assert a.decide(5, ["a"], owner=True, extra={"hang": "h5"})["attempt"] == 1  # type: ignore[index]
+    assert _attempt(a.decide(5, ["a"], owner=True, extra={"hang": "h5"})) == 1
     a.claim(6, "h6")
     a.report(6, [EVIDENCE], "h6")
-    assert a.decide(6, ["a"], owner=True, extra={"hang": "h6"})["attempt"] == 2  # type: ignore[index]
+    assert _attempt(a.decide(6, ["a"], owner=True, extra={"hang": "h6"})) == 2
     # node c was stopped in round 4, evicted, and wakes up: its report of round 4, same step, is not a repeat
     c.claim(4, "h4")
     c.report(4, [replace(EVIDENCE, node="c")], "h4")
-    assert c.decide(4, ["c"], owner=True, extra={"hang": "h4"})["attempt"] == 0  # type: ignore[index]
-    last = json.loads(etcd_client.get(keys.hang_last)[0])  # type: ignore[index]
+    assert _attempt(c.decide(4, ["c"], owner=True, extra={"hang": "h4"})) == 0
+    last = json.loads(etcd_value(etcd_client, keys.hang_last))
     assert last["attempts"] == 2 and last["round"] == 6
 
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from elasticd.board import SlotWriter, read_slot, slot_path
+from elasticd.board import SlotWriter, read_slot
+from elasticd.layout import slot_path
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster import Cluster, leftover_processes, train_args, wait_until
+from elasticd.etcd.server import EmbeddedEtcd
+from tests.integration.cluster import Cluster, leftover_processes, step_after, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -27,13 +28,15 @@ def finish(cluster: Cluster, names: list[str], timeout_s: float = 150) -> None:
     wait_until(lambda: not leftover_processes(list(cluster.nodes)), 15, "worker processes to exit")
 
 
-def _done_lines(cluster: Cluster, name: str) -> list[dict]:  # type: ignore[type-arg]
+def _done_lines(cluster: Cluster, name: str) -> list[dict]:
     from tests.integration.cluster import read_json_lines
 
     return [e for e in read_json_lines(cluster.nodes[name].out) if e.get("event") == "done"]
 
 
-def test_worker_killed_with_sigkill_restarts_the_group_and_training_continues(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_worker_killed_with_sigkill_restarts_the_group_and_training_continues(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     with Cluster(etcd.endpoint, tmp_path, run_id="wkill", min_nodes=2, max_nodes=2) as c:
         a, b = c.start("wk-a"), c.start("wk-b")
         c.wait_step(lambda s: s["step"] >= 15 and s["world_size"] == 2, what="step 15 on 2 workers")
@@ -50,12 +53,14 @@ def test_worker_killed_with_sigkill_restarts_the_group_and_training_continues(et
         # Training resumed from a checkpoint, at full size again, and reached the end.
         resumed = [e for n in c.nodes.values() for e in n.events("resumed")]
         assert any(e["step"] > 0 for e in resumed), c.diagnostics()
-        assert c.last_step()["step"] == 60 and c.last_step()["world_size"] == 2  # type: ignore[index]
+        assert c.newest_step()["step"] == 60 and c.newest_step()["world_size"] == 2
         assert a.events("rendezvous_done")[-1]["round"] > a.events("rendezvous_done")[0]["round"]
 
 
 @pytest.mark.parametrize("victim_rank", [0, 1], ids=["rank0-and-store-host", "other-rank"])
-def test_node_killed_survivors_reform_at_smaller_size_and_continue(etcd, tmp_path: Path, victim_rank: int) -> None:  # type: ignore[no-untyped-def]
+def test_node_killed_survivors_reform_at_smaller_size_and_continue(
+    etcd: EmbeddedEtcd, tmp_path: Path, victim_rank: int
+) -> None:
     names = [f"nk{victim_rank}-{i}" for i in range(3)]
     with Cluster(
         etcd.endpoint,
@@ -81,10 +86,10 @@ def test_node_killed_survivors_reform_at_smaller_size_and_continue(etcd, tmp_pat
         # rank 0 printed as the others failed it)
         assert after["step"] >= before["step"], (before, after)
         finish(c, survivors)
-        assert c.last_step()["step"] == 80 and c.last_step()["world_size"] == 2  # type: ignore[index]
+        assert c.newest_step()["step"] == 80 and c.newest_step()["world_size"] == 2
 
 
-def test_node_joining_while_training_grows_the_group_cold(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_node_joining_while_training_grows_the_group_cold(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -107,10 +112,10 @@ def test_node_joining_while_training_grows_the_group_cold(etcd, tmp_path: Path) 
             assert restarts and restarts[0]["reason"] == "membership"
         c.wait_step(lambda s: s["world_size"] == 3, what="a step on 3 workers")
         finish(c, ["j-a", "j-b", "j-c"])
-        assert c.last_step()["world_size"] == 3  # type: ignore[index]
+        assert c.newest_step()["world_size"] == 3
 
 
-def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -131,13 +136,13 @@ def test_repeated_kills_and_joins_in_one_run_leave_nothing_behind(etcd, tmp_path
             c.nodes[victim].kill()
             killed.append(victim)
             alive.remove(victim)
-            mark = c.last_step()["t"]  # type: ignore[index]
-            c.wait_step(lambda s, m=mark: s["t"] > m and s["world_size"] == 2, timeout_s=60, what="2 workers")
+            mark = c.newest_step()["t"]
+            c.wait_step(step_after(mark, 2), timeout_s=60, what="2 workers")
             joiner = f"ch-{3 + cycle}"
             c.start(joiner)
             alive.append(joiner)
-            mark = c.last_step()["t"]  # type: ignore[index]
-            c.wait_step(lambda s, m=mark: s["t"] > m and s["world_size"] == 3, timeout_s=60, what="3 workers")
+            mark = c.newest_step()["t"]
+            c.wait_step(step_after(mark, 3), timeout_s=60, what="3 workers")
         from elasticd.cli import main
 
         assert main(["stop", "--etcd", etcd.endpoint, "--run-id", "churn"]) == 0

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
+from tests.helpers import etcd_value
 from tests.integration.cluster import EXAMPLE, Cluster, leftover_processes, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -58,7 +60,7 @@ def test_single_node_run_on_embedded_etcd_finishes_and_commits_checkpoints(tmp_p
     assert manifest["step"] == 20 and manifest["world_size"] == 2 and manifest["global_batch_size"] == 48
 
 
-def test_same_run_id_can_run_again_after_it_finished(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_same_run_id_can_run_again_after_it_finished(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     for attempt in range(2):
         with Cluster(etcd.endpoint, tmp_path, run_id="again", script_args=train_args(10)) as c:
             node = c.start(f"again-{attempt}")
@@ -87,7 +89,7 @@ def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path) -> None
     assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "Traceback" not in result.stderr
 
 
-def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -99,7 +101,7 @@ def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp
         c.start("st-a"), c.start("st-b")
         c.wait_step(lambda s: s["step"] >= 10, what="step 10")
 
-        def running() -> dict | None:  # type: ignore[type-arg]
+        def running() -> dict | None:
             out = elasticd("status", "--etcd", etcd.endpoint, "--run-id", "stat", "--json", cwd=tmp_path)
             assert out.returncode == 0, out.stderr
             status = json.loads(out.stdout)
@@ -127,7 +129,7 @@ def test_status_shows_nodes_round_world_size_and_step_then_stop_drains(etcd, tmp
         assert json.loads(after.stdout)["node_count"] == 0  # the records went with the daemons' leases
 
 
-def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_training_continues_through_an_etcd_restart(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -139,7 +141,7 @@ def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> Non
         c.start("er-a"), c.start("er-b")
         c.wait_step(lambda s: s["step"] >= 10, what="step 10")
         etcd.restart()
-        mark = c.last_step()["step"]  # type: ignore[index]
+        mark = c.newest_step()["step"]
         c.wait_step(lambda s: s["step"] >= mark + 20, what="20 more steps after the restart")
 
         def registry_back() -> bool:
@@ -149,11 +151,13 @@ def test_training_continues_through_an_etcd_restart(etcd, tmp_path: Path) -> Non
         wait_until(registry_back, 30, "both node records after the etcd restart", poll_s=0.5)
         for name in ("er-a", "er-b"):
             assert c.nodes[name].wait(120) == 0, c.diagnostics()
-        assert c.last_step()["step"] == 120  # type: ignore[index]
+        assert c.newest_step()["step"] == 120
         assert not [e for n in c.nodes.values() for e in n.events("restart")]
 
 
-def test_sigterm_leaves_after_a_checkpoint_and_the_others_go_on_losing_no_step(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_leaves_after_a_checkpoint_and_the_others_go_on_losing_no_step(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -208,7 +212,7 @@ def test_elasticd_etcd_serves_the_v3_api_until_sigterm(tmp_path: Path) -> None:
             parse_endpoints(f"127.0.0.1:{port}"), connect_timeout_s=10, **access.connect_kwargs()
         )
         client.put("/probe", b"1")
-        assert client.get("/probe")[0] == b"1"  # type: ignore[index]
+        assert etcd_value(client, "/probe") == b"1"
         client.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0

@@ -39,8 +39,8 @@ def protected(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
         server.stop()
 
 
-def _client(endpoint: str, **login: str) -> EtcdClient:
-    access = resolve_access(**login) if login else None
+def _client(endpoint: str, user: str | None = None, password_file: str | None = None) -> EtcdClient:
+    access = resolve_access(user=user, password_file=password_file) if user or password_file else None
     kwargs = access.connect_kwargs() if access else {}
     return EtcdClient.connect(parse_endpoints(endpoint), connect_timeout_s=ETCD_READY_TIMEOUT_S, **kwargs)
 
@@ -59,7 +59,7 @@ def _assert_refused_without_login(endpoint: str) -> None:
         ):
             with pytest.raises(grpc.RpcError) as refused:
                 attempt()
-            assert "user name is empty" in str(refused.value.details())  # type: ignore[attr-defined]
+            assert "user name is empty" in str(refused.value.details())
     finally:
         anonymous.close()
 

@@ -61,7 +61,7 @@ def _cluster(
     password_file.write_text(TRAINER_PASSWORD)
     access = ("--etcd-cacert", str(pki.ca), "--etcd-cert", str(pki.client_cert), "--etcd-key", str(pki.client_key))
     extra = (*access, "--etcd-user", "trainer", "--etcd-password-file", str(password_file), "--recovery", recovery)
-    return Cluster(endpoint, tmp_path, run_id=run_id, extra=extra, **kwargs)  # type: ignore[arg-type]
+    return Cluster(endpoint, tmp_path, run_id=run_id, extra=extra, **kwargs)  # type: ignore[arg-type]  # Cluster's own keywords, passed through
 
 
 def _records(endpoint: str, pki: Pki, keys: RunKeys) -> list[int]:  # noqa: F811

@@ -20,6 +20,8 @@ from typing import Any
 import psutil
 import pytest
 
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, train_args, wait_until
 
@@ -30,7 +32,7 @@ def _finished(cluster: Cluster, names: list[str], last_step: int) -> None:
     for name in names:
         code = cluster.nodes[name].wait(150)
         assert code == 0, f"{name} exited {code}\n{cluster.diagnostics()}"
-    assert cluster.last_step()["step"] == last_step, cluster.diagnostics()  # type: ignore[index]
+    assert cluster.newest_step()["step"] == last_step, cluster.diagnostics()
     wait_until(lambda: not leftover_processes(list(cluster.nodes)), 15, "worker processes to exit")
 
 
@@ -38,7 +40,7 @@ def _summary(event: dict[str, Any]) -> dict[str, Any]:
     path = Path(event["path"])
     summary = json.loads((path / "summary.json").read_text())
     assert summary["path"] == str(path)
-    return summary  # type: ignore[no-any-return]
+    return summary
 
 
 def _unix(event: dict[str, Any]) -> float:
@@ -49,7 +51,9 @@ def _rank(summary: dict[str, Any], rank: int) -> dict[str, Any]:
     return next(r for r in summary["ranks"] if r["rank"] == rank)
 
 
-def test_rank_sleeping_before_its_all_reduce_is_detected_named_and_training_resumes(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_rank_sleeping_before_its_all_reduce_is_detected_named_and_training_resumes(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     timeout_s = 2.0
     fault = "sleep@step=25,rank=1,restart=0"
     with Cluster(
@@ -95,7 +99,7 @@ def _worker_pids(node: Node) -> list[int]:
     return list(started["pids"])
 
 
-def test_sigstopped_worker_is_detected_as_a_hang_and_named(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sigstopped_worker_is_detected_as_a_hang_and_named(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -121,7 +125,9 @@ def test_sigstopped_worker_is_detected_as_a_hang_and_named(etcd, tmp_path: Path)
                 os.kill(victim, signal.SIGKILL)
 
 
-def test_hang_at_the_same_step_every_time_stops_with_exit_1_and_the_diagnostics_path(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_at_the_same_step_every_time_stops_with_exit_1_and_the_diagnostics_path(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -163,7 +169,9 @@ def _stragglers(tmp_path: Path, etcd: Any, run_id: str, fault: str) -> list[dict
         return node.events("straggler_detected")
 
 
-def test_slow_rank_is_reported_as_a_straggler_and_a_uniformly_slow_group_is_not(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_slow_rank_is_reported_as_a_straggler_and_a_uniformly_slow_group_is_not(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     (tmp_path / "one").mkdir()
     (tmp_path / "all").mkdir()
     one = _stragglers(tmp_path, etcd, "one", "slow@rank=1,seconds=0.15")
@@ -173,7 +181,7 @@ def test_slow_rank_is_reported_as_a_straggler_and_a_uniformly_slow_group_is_not(
     assert everyone == []
 
 
-def test_two_daemons_agree_on_one_diagnosis_through_etcd(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_two_daemons_agree_on_one_diagnosis_through_etcd(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -210,7 +218,9 @@ def test_two_daemons_agree_on_one_diagnosis_through_etcd(etcd, tmp_path: Path) -
         _finished(c, ["ag-a", "ag-b"], 50)
 
 
-def test_auto_timeout_no_false_hang_when_step_times_vary_3x_and_the_run_checkpoints(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_auto_timeout_no_false_hang_when_step_times_vary_3x_and_the_run_checkpoints(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -232,7 +242,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "evaluating_train.py"
 
 
 @pytest.mark.parametrize("busy", [True, False], ids=["inside-run-busy", "unmarked"])
-def test_long_evaluation_between_steps_is_no_hang_inside_run_busy(etcd, tmp_path: Path, busy: bool) -> None:  # type: ignore[no-untyped-def]
+def test_long_evaluation_between_steps_is_no_hang_inside_run_busy(
+    etcd: EmbeddedEtcd, tmp_path: Path, busy: bool
+) -> None:
     args = ("--steps", "30", "--eval-at", "15", "--eval-seconds", "4", *(["--busy"] if busy else []))
     with Cluster(
         etcd.endpoint,
@@ -247,7 +259,7 @@ def test_long_evaluation_between_steps_is_no_hang_inside_run_busy(etcd, tmp_path
         code = node.wait(120)
         if busy:
             assert code == 0 and not node.events("hang_detected"), c.diagnostics()
-            assert c.last_step()["step"] == 30  # type: ignore[index]
+            assert c.newest_step()["step"] == 30
         else:
             # the same pause without run.busy() looks exactly like a hang to a watchdog that learned 50 ms steps
             assert node.events("hang_detected") and node.events("hang_diagnosed"), c.diagnostics()
@@ -263,7 +275,9 @@ def _restart_reasons(node: Node) -> list[str]:
     return [e["reason"] for e in node.events("restart")]
 
 
-def test_node_killed_under_auto_timeout_is_a_failure_for_the_survivors_not_a_hang(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_node_killed_under_auto_timeout_is_a_failure_for_the_survivors_not_a_hang(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     # Issue 10, Why 13: kill -9 of a whole node. The survivors' all-reduce fails and their workers exit, which takes
     # a second or two of teardown: longer than an auto timeout learned from 50 ms steps. That silence is a failure
     # on its way (restart reason `failure`), not a hang: no diagnosis, no diagnostics directory.
@@ -304,8 +318,8 @@ MIN_STOP_S = 10.0
 
 
 @pytest.mark.timeout(360)
-def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothing(  # type: ignore[no-untyped-def]
-    etcd, etcd_client, tmp_path: Path
+def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothing(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path
 ) -> None:
     # Issue 10, Why 12: a whole node (daemon and worker) SIGSTOPped for longer than the rendezvous keeps it, then
     # SIGCONT. The others' workers wait in the all-reduce for it: a hang, whose culprit is the frozen node (its

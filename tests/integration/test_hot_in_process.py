@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 SETTLE_S = 5.0  # generous "eventually" on a loaded box: each of these completes in milliseconds when it works
 
 
-class Bucket:
+class _Bucket:
     """The part of ``dist.GradBucket`` the hook uses."""
 
     def __init__(self, index: int, values: list[float]) -> None:
@@ -43,6 +43,11 @@ class Bucket:
 
     def buffer(self) -> torch.Tensor:
         return self._buffer
+
+
+def Bucket(index: int, values: list[float]) -> dist.GradBucket:
+    """A stand-in for torch's GradBucket (which has no public constructor), typed as one for the hook."""
+    return cast(dist.GradBucket, _Bucket(index, values))
 
 
 def gloo_pair(timeout: timedelta = timedelta(seconds=30)) -> list[Any]:
@@ -88,7 +93,7 @@ def result(future: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
 
 def test_a_healthy_step_averages_every_bucket_over_the_group(pair: list[Any]) -> None:
     hooks = [hook_for(g)[0] for g in pair]
-    futures = [hooks[r].reduce(Bucket(0, [2.0 * r, 4.0])) for r in range(2)]  # type: ignore[arg-type]
+    futures = [hooks[r].reduce(Bucket(0, [2.0 * r, 4.0])) for r in range(2)]
     assert [result(f).tolist() for f in futures] == [[1.0, 4.0], [1.0, 4.0]]
     assert not any(h.health.failed for h in hooks)
 
@@ -96,8 +101,8 @@ def test_a_healthy_step_averages_every_bucket_over_the_group(pair: list[Any]) ->
 def test_an_abort_completes_every_in_flight_bucket_unreduced_and_fails_the_step(pair: list[Any]) -> None:
     hook, health = hook_for(pair[0])
     # rank 1 never reaches this step's collectives: both buckets stay in flight on rank 0
-    first = hook.reduce(Bucket(0, [1.0, 2.0]))  # type: ignore[arg-type]
-    second = hook.reduce(Bucket(1, [3.0]))  # type: ignore[arg-type]
+    first = hook.reduce(Bucket(0, [1.0, 2.0]))
+    second = hook.reduce(Bucket(1, [3.0]))
     time.sleep(0.05)
     assert not first.done() and not second.done()
     hook.abort("peer 1 declared dead")
@@ -106,7 +111,7 @@ def test_an_abort_completes_every_in_flight_bucket_unreduced_and_fails_the_step(
     failure = health.failure
     assert failure is not None and failure.reason == "peer 1 declared dead"
     # a bucket that becomes ready after the failure completes at once, without touching the broken group
-    late = hook.reduce(Bucket(2, [5.0]))  # type: ignore[arg-type]
+    late = hook.reduce(Bucket(2, [5.0]))
     assert late.done() and late.value().tolist() == [5.0]
     catch_up(pair[1], 2, 1)
 
@@ -114,7 +119,7 @@ def test_an_abort_completes_every_in_flight_bucket_unreduced_and_fails_the_step(
 def test_polled_buckets_settle_when_their_collectives_complete(pair: list[Any]) -> None:
     """The way buckets on a GPU are settled (their futures complete at enqueue), exercised on gloo."""
     hooks = [hook_for(g, poll=True)[0] for g in pair]
-    futures = [[hooks[r].reduce(Bucket(i, [2.0 * r + i, 4.0])) for i in range(2)] for r in range(2)]  # type: ignore[arg-type]
+    futures = [[hooks[r].reduce(Bucket(i, [2.0 * r + i, 4.0])) for i in range(2)] for r in range(2)]
     assert [[result(f).tolist() for f in fs] for fs in futures] == [[[1.0, 4.0], [2.0, 4.0]]] * 2
     assert not any(h.health.failed for h in hooks)
     for hook in hooks:
@@ -125,7 +130,7 @@ def test_a_polled_bucket_whose_collective_fails_fails_the_step() -> None:
     """gloo's own timeout (0.5 s) fails the collective: the work completes with an error, which the poll reads."""
     pair = gloo_pair(timeout=timedelta(seconds=0.5))
     hook, health = hook_for(pair[0], poll=True)
-    future = hook.reduce(Bucket(0, [1.0, 2.0]))  # type: ignore[arg-type]
+    future = hook.reduce(Bucket(0, [1.0, 2.0]))
     assert result(future).tolist() == [1.0, 2.0]  # this rank's own gradient
     failure = health.failure
     assert failure is not None and "all-reduce of bucket 0 failed" in failure.reason, failure
@@ -134,7 +139,7 @@ def test_a_polled_bucket_whose_collective_fails_fails_the_step() -> None:
 
 def test_an_abort_completes_polled_buckets_too(pair: list[Any]) -> None:
     hook, health = hook_for(pair[0], poll=True)
-    futures = [hook.reduce(Bucket(i, [float(i)])) for i in range(2)]  # type: ignore[arg-type]
+    futures = [hook.reduce(Bucket(i, [float(i)])) for i in range(2)]
     time.sleep(0.05)
     assert not any(f.done() for f in futures)  # polled, not completed: rank 1 never came
     hook.abort("peer 1 declared dead")
@@ -155,7 +160,7 @@ def test_the_default_groups_backend_picks_how_groups_are_re_formed() -> None:
 def test_a_bucket_past_its_deadline_fails_the_step(pair: list[Any]) -> None:
     hook, health = hook_for(pair[0], timeout=timedelta(seconds=0.3))
     started = time.monotonic()
-    futures = [hook.reduce(Bucket(i, [float(i)])) for i in range(3)]  # type: ignore[arg-type]
+    futures = [hook.reduce(Bucket(i, [float(i)])) for i in range(3)]
     assert [result(f).tolist() for f in futures] == [[0.0], [1.0], [2.0]]
     assert time.monotonic() - started >= 0.3
     failure = health.failure
@@ -168,7 +173,7 @@ def test_a_failure_notice_releases_a_rank_waiting_on_a_peer_that_gave_up(pair: l
     hook, health = hook_for(
         pair[0], notice=lambda: notice[0] if notice else None, notice_interval=timedelta(milliseconds=20)
     )
-    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    future = hook.reduce(Bucket(0, [1.0]))
     time.sleep(0.1)
     assert not future.done()  # no notice yet: the wait goes on (its deadline is 10 minutes away)
     notice.append("rank 1: connection reset by rank 2")
@@ -181,7 +186,7 @@ def test_a_failure_notice_releases_a_rank_waiting_on_a_peer_that_gave_up(pair: l
 def test_a_nudge_releases_a_bucket_in_flight_when_the_notice_has_a_reason(pair: list[Any]) -> None:
     notice: list[str] = []
     hook, health = hook_for(pair[0], notice=lambda: notice[0] if notice else None)  # no interval: nudged, not polled
-    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    future = hook.reduce(Bucket(0, [1.0]))
     notice.append("rank 1: connection reset by rank 2")
     time.sleep(0.2)
     assert not future.done()  # nobody polls the notice: without a nudge the wait goes on (to its 10-minute deadline)
@@ -196,7 +201,7 @@ def test_a_notice_that_came_while_nothing_was_in_flight_fails_the_next_bucket_at
     notice = ["rank 1: connection reset by rank 2"]
     hook, health = hook_for(pair[0], notice=lambda: notice[0] if notice else None)
     hook.nudge()  # nothing in flight: nothing to release, and the nudge is not kept for later
-    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    future = hook.reduce(Bucket(0, [1.0]))
     assert future.done() and future.value().tolist() == [1.0]  # not issued: rank 1 never has to catch up
     failure = health.failure
     assert failure is not None and "connection reset by rank 2" in failure.reason
@@ -204,25 +209,27 @@ def test_a_notice_that_came_while_nothing_was_in_flight_fails_the_next_bucket_at
 
 def test_a_copy_given_up_on_is_never_reused(pair: list[Any]) -> None:
     hooks = [hook_for(g)[0] for g in pair]
-    futures = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]  # type: ignore[arg-type]
+    futures = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]
     healthy = result(futures[0])
-    again = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]  # type: ignore[arg-type]
+    again = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]
     assert result(again[0]).data_ptr() == healthy.data_ptr()  # a healthy step's copy serves the next one
     result(again[1])
     hooks[0].health.consume()
-    abandoned = hooks[0].reduce(Bucket(0, [7.0]))  # type: ignore[arg-type]  # rank 1 is late: in flight
+    abandoned = hooks[0].reduce(Bucket(0, [7.0]))  # rank 1 is late: in flight
     given_up = hooks[0]._copies[0]
     hooks[0].abort("peer 1 declared dead")
     assert result(abandoned).tolist() == [7.0]
     hooks[0].health.consume()
     catch_up(pair[1], 1)  # the abandoned collective completes now, writing into the copy given up on
-    futures = [hooks[r].reduce(Bucket(0, [float(2 * r)])) for r in range(2)]  # type: ignore[arg-type]
+    futures = [hooks[r].reduce(Bucket(0, [float(2 * r)])) for r in range(2)]
     fresh = result(futures[0])
     assert fresh.data_ptr() != given_up.data_ptr()
     assert fresh.tolist() == [1.0] and result(futures[1]).tolist() == [1.0]
 
 
-def test_a_collective_failed_while_it_was_being_issued_is_kept_forever(pair: list[Any], monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_a_collective_failed_while_it_was_being_issued_is_kept_forever(
+    pair: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import elasticd.worker.hot.comm_hook as comm_hook
 
     kept: list[Any] = []
@@ -245,9 +252,9 @@ def test_a_collective_failed_while_it_was_being_issued_is_kept_forever(pair: lis
             return self.work
 
     group = FailsWhileIssuing(pair[0])
-    hook = ResilientAllReduce(GroupHolder(group), StepHealth())  # type: ignore[arg-type]
+    hook = ResilientAllReduce(GroupHolder(group), StepHealth())  # type: ignore[arg-type]  # a wrapper of the group
     group.hook = hook
-    future = hook.reduce(Bucket(0, [1.0]))  # type: ignore[arg-type]
+    future = hook.reduce(Bucket(0, [1.0]))
     assert result(future).tolist() == [1.0]
     assert hook.health.failed
     assert any(w is group.work for w in kept), "the given-up collective's Work was left to the garbage collector"
@@ -261,7 +268,7 @@ def test_a_late_verdict_about_a_consumed_failure_does_not_fail_the_next_step(pai
     assert hooks[0].health.consume() is not None
     hooks[0].abort("the same failure, reported late", generation=old_generation)
     assert not hooks[0].health.failed
-    futures = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]  # type: ignore[arg-type]
+    futures = [hooks[r].reduce(Bucket(0, [float(r)])) for r in range(2)]
     assert [result(f).tolist() for f in futures] == [[0.5], [0.5]]
 
 
@@ -272,7 +279,7 @@ def test_the_hook_reduces_on_whatever_group_the_holder_holds_now(pair: list[Any]
     for rank in range(2):
         holders[rank].set(replacement[rank])
     # the old pair is left alone: only the new one could complete this
-    futures = [hooks[r].reduce(Bucket(0, [float(4 * r)])) for r in range(2)]  # type: ignore[arg-type]
+    futures = [hooks[r].reduce(Bucket(0, [float(4 * r)])) for r in range(2)]
     assert [result(f).tolist() for f in futures] == [[2.0], [2.0]]
 
 
@@ -293,7 +300,7 @@ def test_ddp_accepts_the_hook_and_a_string_annotation_is_refused(world_of_one: N
     # the pitfall this module avoids: with `from __future__ import annotations` (as in this test file) the
     # annotation is the string "dist.GradBucket", which DDP refuses
     def stringly(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return resilient_allreduce_hook(state, bucket)  # type: ignore[arg-type]
+        return resilient_allreduce_hook(state, bucket)  # type: ignore[arg-type]  # the point: a state of the wrong type
 
     fresh = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=r"bucket annotation should be dist\.GradBucket"):

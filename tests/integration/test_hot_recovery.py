@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.lineage import Lineage
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, train_args, wait_until
@@ -24,19 +26,21 @@ from tests.integration.cluster import Cluster, leftover_processes, read_json_lin
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def _stamp(event: dict) -> float:  # type: ignore[type-arg]
+def _stamp(event: dict) -> float:
     return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
-def _steps_by_number(cluster: Cluster) -> dict[int, list[dict]]:  # type: ignore[type-arg]
-    seen: dict[int, list[dict]] = {}  # type: ignore[type-arg]
+def _steps_by_number(cluster: Cluster) -> dict[int, list[dict]]:
+    seen: dict[int, list[dict]] = {}
     for step in cluster.all_steps():
         seen.setdefault(step["step"], []).append(step)
     return seen
 
 
 @pytest.mark.parametrize("victim_rank", [0, 2], ids=["rank0-node", "other-node"])
-def test_node_killed_survivors_reform_in_place_and_lose_nothing(etcd, tmp_path: Path, victim_rank: int) -> None:  # type: ignore[no-untyped-def]
+def test_node_killed_survivors_reform_in_place_and_lose_nothing(
+    etcd: EmbeddedEtcd, tmp_path: Path, victim_rank: int
+) -> None:
     names = [f"hk{victim_rank}-{i}" for i in range(3)]
     with Cluster(
         etcd.endpoint, tmp_path, run_id=f"hotkill{victim_rank}", min_nodes=2, max_nodes=3, script_args=train_args(60)
@@ -77,11 +81,11 @@ def test_node_killed_survivors_reform_in_place_and_lose_nothing(etcd, tmp_path: 
         assert sorted(set(steps) | unprinted) == list(range(1, 61)), sorted(steps)
         assert min(s for s, v in steps.items() if v[0]["world_size"] == 2) == resumed_from + 1
         assert after["step"] <= before["step"] + 3
-        assert c.last_step()["world_size"] == 2  # type: ignore[index]
+        assert c.newest_step()["world_size"] == 2
 
 
-def test_vanished_node_is_declared_dead_by_its_lease_and_never_trains_or_commits_for_the_group_again(  # type: ignore[no-untyped-def]
-    etcd, etcd_client, tmp_path: Path
+def test_vanished_node_is_declared_dead_by_its_lease_and_never_trains_or_commits_for_the_group_again(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path
 ) -> None:
     """SIGSTOP of a whole node (its daemon and worker): nothing resets a connection, the survivors' all-reduce just
     waits. The node's one-second liveness lease expires, the survivors' watch fails the step, the membership

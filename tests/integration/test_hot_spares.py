@@ -11,17 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, wait_until
+from elasticd.etcd.server import EmbeddedEtcd
+from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
-def _done_pids(node) -> set[int]:  # type: ignore[no-untyped-def]
+def _done_pids(node: Node) -> set[int]:
     return {int(e["pid"]) for e in read_json_lines(node.out) if e.get("event") == "done"}
 
 
-def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost_node(  # type: ignore[no-untyped-def]
-    etcd, tmp_path: Path
+def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost_node(
+    etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     """Global batch 32 in micro-batches of 4 splits over 2 or 4 workers, not 3: the third node's worker waits warm
     (imported, prepared, not convicted of a hang) while the other two train; when one of them is killed, the
@@ -54,7 +55,7 @@ def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost
             events = [e for e in node.events("reconfigured") if "node_id" in e]
             assert [(e["reason"], e["world_size"]) for e in events] == [("failure", 2)], c.diagnostics()
         assert _done_pids(spare) <= set(spare_pids)  # the spare's worker of before the loss finished the run
-        steps: dict[int, list[dict]] = {}  # type: ignore[type-arg]
+        steps: dict[int, list[dict]] = {}
         for step in c.all_steps():
             steps.setdefault(step["step"], []).append(step)
         assert all(len(v) == 1 for v in steps.values())

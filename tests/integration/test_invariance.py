@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from elasticd.etcd.server import EmbeddedEtcd
 from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, train_args, wait_until
 from tests.integration.test_worker_library import effective_ids, expected_lr
 
@@ -93,10 +94,10 @@ def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
         if disturb:
             assert {s["world_size"] for s in steps} == {3, 4}
             _check_nothing_restarted_but_the_hung_node(c, by_rank, pids, diagnosed, leaver)
-    return torch.load(out)  # type: ignore[no-any-return]
+    return torch.load(out)
 
 
-def _check_nothing_restarted_but_the_hung_node(  # type: ignore[no-untyped-def]
+def _check_nothing_restarted_but_the_hung_node(
     c: Cluster, by_rank: dict[int, str], pids: dict[str, list[int]], diagnosed: dict, leaver: Node
 ) -> None:
     hung = c.nodes["iv-joiner"]
@@ -119,8 +120,8 @@ def _check_nothing_restarted_but_the_hung_node(  # type: ignore[no-untyped-def]
     assert all(e["lost_steps"] == 0 for e in c.nodes[by_rank[0]].events("reconfigured"))
 
 
-def test_kill_join_hang_and_sigterm_in_place_end_with_the_parameters_of_an_undisturbed_run(  # type: ignore[no-untyped-def]
-    etcd, tmp_path: Path
+def test_kill_join_hang_and_sigterm_in_place_end_with_the_parameters_of_an_undisturbed_run(
+    etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     reference = _run(etcd.endpoint, tmp_path / "undisturbed", disturb=False)
     disturbed = _run(etcd.endpoint, tmp_path / "disturbed", disturb=True)

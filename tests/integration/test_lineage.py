@@ -14,9 +14,11 @@ import pytest
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage, new_token, writer_id
 from elasticd.worker.checkpoints import MANIFEST, Checkpoint, CheckpointStore
+from tests.helpers import etcd_value
 from tests.integration.cluster import Cluster, train_args, wait_until
 
 pytestmark = pytest.mark.integration
@@ -48,7 +50,7 @@ def test_a_replaced_token_cannot_commit_and_the_reader_takes_only_recorded_check
     assert committed is not None and committed.path.name == "step-000000000010"
     (record,) = lineage.records()
     assert (record.step, record.dir, record.token) == (10, "step-000000000010", new)
-    assert json.loads(etcd_client.get(keys.checkpoint_latest)[0])["step"] == 10  # type: ignore[index]
+    assert json.loads(etcd_value(etcd_client, keys.checkpoint_latest))["step"] == 10
 
     # A committed-looking directory that the lineage does not record (copied in by hand, say) is never loaded.
     rogue = tmp_path / "lin" / "step-000000000099"
@@ -122,7 +124,9 @@ def _stopped_daemon(cluster: Cluster) -> str | None:
 
 
 @pytest.mark.timeout(420)
-def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loaded(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_node_frozen_mid_commit_is_fenced_off_and_nothing_it_wrote_is_ever_loaded(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     # Rank 0 of the first round freezes its whole node (daemon and worker, SIGSTOP) with the checkpoint of step 20
     # on disk, just before asking the fence. The others find the hang, evict the frozen node, form a new round
     # (a new token) and commit newer checkpoints. Then the frozen node is thawed: its commit must be refused.
@@ -200,7 +204,9 @@ def _lineage_raw(endpoint: str, keys: RunKeys) -> list[tuple[str, bytes, int]]:
 
 
 @pytest.mark.timeout(360)
-def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_established(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_established(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     # etcd loses its data (restarted on an empty data dir, as after a lost volume) while two nodes train. The
     # daemons must notice, form a new round that re-establishes registry, token and lineage (adopting the newest
     # verified checkpoint on disk), commit again, and let a new node in.

@@ -45,13 +45,16 @@ def test_an_epoch_waits_for_every_live_member_then_ranks_by_committed_steps(etcd
     assert decided is not None
     assert decided.members == (B, A) and decided.source == B and decided.step == 40
     assert decided.rank_of(C) is None
-    assert m.current() is not None and m.current()[0] == decided  # type: ignore[index]
+    current = m.current()
+    assert current is not None and current[0] == decided
 
 
 def test_the_decision_moves_the_fence_so_a_member_left_out_cannot_commit(etcd_client: EtcdClient) -> None:
     m, lineage = Membership(etcd_client, KEYS), Lineage(etcd_client, KEYS)
     _first_epoch(m)
-    old_token = m.current()[0].token  # type: ignore[index]
+    current = m.current()
+    assert current is not None
+    old_token = current[0].token
     assert lineage.token() == old_token
     assert lineage.commit(old_token, _record(10, old_token))  # every member of epoch 1 may commit
     m.bid(2, Bid(A, 0, 20))
@@ -73,7 +76,8 @@ def test_fewer_than_the_minimum_falls_back_to_the_cold_path(etcd_client: EtcdCli
     with pytest.raises(BelowMinimum) as error:
         m.try_decide(2, (A, B, C), {B, C}.__contains__, min_members=2, round_=1, reason="failure")
     assert error.value.members == (A,)
-    assert m.current()[0].number == 1  # type: ignore[index]  # nothing was decided
+    current = m.current()
+    assert current is not None and current[0].number == 1  # nothing was decided
 
 
 def test_concurrent_deciders_agree_on_one_decision(etcd: EmbeddedEtcd) -> None:

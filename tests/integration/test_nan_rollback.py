@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.worker.batching import plan_batches
 from elasticd.worker.sampler import ElasticSampler
 from tests.integration.cluster import Cluster, read_json_lines, train_args
@@ -32,7 +33,7 @@ BAD_STEPS_IN_EPOCH = (5, 6, 7)
 def epoch_order(epoch: int) -> list[int]:
     """The run's sample order of ``epoch`` (examples/train.py: shuffle, seed 0), the same at every world size."""
     plan = plan_batches(GLOBAL_BATCH, 4, 1)
-    return ElasticSampler(DATASET, plan, 0, shuffle=True, seed=0).order(epoch).tolist()  # type: ignore[no-any-return]
+    return ElasticSampler(DATASET, plan, 0, shuffle=True, seed=0).order(epoch).tolist()
 
 
 def batch_of(epoch: int, step_in_epoch: int) -> list[int]:
@@ -49,7 +50,7 @@ def attempts(record: Path) -> dict[tuple[int, int], dict[int, list[int]]]:
 
 
 def test_rollback_steps_over_the_batches_of_poisoned_samples_and_trains_every_other_sample_once(
-    etcd,  # type: ignore[no-untyped-def]
+    etcd: EmbeddedEtcd,
     tmp_path: Path,
 ) -> None:
     bad_batches = [batch_of(BAD_EPOCH, k) for k in BAD_STEPS_IN_EPOCH]
@@ -96,7 +97,7 @@ def test_rollback_steps_over_the_batches_of_poisoned_samples_and_trains_every_ot
     trained = {step: ids for step, ids in before.items() if step <= 10} | after
     total = EPOCHS * STEPS_PER_EPOCH - len(BAD_STEPS_IN_EPOCH)
     assert sorted(trained) == list(range(1, total + 1))
-    assert c.last_step()["step"] == total  # type: ignore[index]
+    assert c.newest_step()["step"] == total
     skipped = {i for batch in bad_batches for i in batch}
     ends = [0, STEPS_PER_EPOCH, end_of_bad_epoch, total]
     for epoch in range(EPOCHS):

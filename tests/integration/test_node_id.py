@@ -18,7 +18,9 @@ import pytest
 from elasticd.agent.registry import DEFAULT_TTL_S, Holder, HolderState, NodeRegistry
 from elasticd.errors import NodeIdInUseError
 from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
+from tests.helpers import etcd_value
 from tests.integration.cluster import EXAMPLE, Cluster, train_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -39,7 +41,7 @@ time.sleep(600)
 """
 
 
-def test_second_daemon_with_the_same_node_id_exits_2_naming_it_at_once(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_second_daemon_with_the_same_node_id_exits_2_naming_it_at_once(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(etcd.endpoint, tmp_path, run_id="dup", min_nodes=1, max_nodes=2, script_args=train_args(600)) as c:
         first = c.start("dup-a")
         first.wait_event("workers_started", timeout_s=90)
@@ -62,7 +64,9 @@ def test_second_daemon_with_the_same_node_id_exits_2_naming_it_at_once(etcd, tmp
         assert first.proc.poll() is None  # the first one is untouched
 
 
-def test_restart_after_the_holder_died_takes_the_node_id_over_at_once(etcd, etcd_client: EtcdClient) -> None:  # type: ignore[no-untyped-def]
+def test_restart_after_the_holder_died_takes_the_node_id_over_at_once(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient
+) -> None:
     holder = subprocess.Popen(
         [sys.executable, "-c", CLAIMER, etcd.endpoint, "restart", "node-r"], stdout=subprocess.PIPE, text=True
     )
@@ -77,7 +81,7 @@ def test_restart_after_the_holder_died_takes_the_node_id_over_at_once(etcd, etcd
         try:
             print(f"dead holder's record replaced in {took:.2f}s")
             assert took < DEFAULT_TTL_S / 2  # not a wait for the lease to expire
-            owner = json.loads(etcd_client.get(RunKeys("restart").node("node-r"))[0])  # type: ignore[index]
+            owner = json.loads(etcd_value(etcd_client, RunKeys("restart").node("node-r")))
             assert owner["pid"] == os.getpid()
         finally:
             registry.release()
@@ -122,7 +126,11 @@ def test_a_holder_on_another_machine_that_stopped_refreshing_is_waited_out(etcd_
     keys = RunKeys("far2")
     _foreign_record(etcd_client, keys.node("far"), ttl_s=3, refresh=False)
     holder = Holder(etcd_client, keys.node("far"))
-    assert {holder.look() for _ in range(5) if not time.sleep(0.3)} == {HolderState.UNKNOWN}
+    looks = set()
+    for _ in range(5):
+        time.sleep(0.3)
+        looks.add(holder.look())
+    assert looks == {HolderState.UNKNOWN}
     registry = NodeRegistry(etcd_client, keys, "far")
     registry.claim()  # the record expires with its lease: the claim gets it, it is never refused
     registry.release()

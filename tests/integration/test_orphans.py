@@ -17,6 +17,7 @@ import pytest
 
 from elasticd import envvars
 from elasticd.agent.reaper import Reaper
+from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.worker.launch import EXIT_ORPHANED, worker_args
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, train_args, wait_until
 
@@ -150,7 +151,9 @@ def test_reaper_closed_at_a_normal_exit_kills_what_is_left_and_nothing_unmarked(
             p.wait()
 
 
-def test_daemon_killed_alone_its_workers_and_their_children_die_and_the_others_go_on(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_daemon_killed_alone_its_workers_and_their_children_die_and_the_others_go_on(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     names = ["orph-a", "orph-b", "orph-c"]
     with Cluster(
         etcd.endpoint,
@@ -186,5 +189,5 @@ def test_daemon_killed_alone_its_workers_and_their_children_die_and_the_others_g
         for name in survivors:
             code = c.nodes[name].wait(150)
             assert code == 0, f"{name} exited {code}\n{c.diagnostics()}"
-        assert c.last_step()["step"] == 80 and c.last_step()["world_size"] == 2  # type: ignore[index]
+        assert c.newest_step()["step"] == 80 and c.newest_step()["world_size"] == 2
         wait_until(lambda: not leftover_processes(names), 15, "every process of the run to exit")

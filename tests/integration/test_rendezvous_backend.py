@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.endpoints import parse_endpoints
@@ -45,6 +46,11 @@ def other(etcd: EmbeddedEtcd) -> Iterator[EtcdV3RendezvousBackend]:
     client = EtcdClient.connect(parse_endpoints(etcd.endpoint), connect_timeout_s=ETCD_READY_TIMEOUT_S)
     yield EtcdV3RendezvousBackend(client, RUN)
     client.close()
+
+
+def _token(result: tuple[bytes, Token, bool] | None) -> Token:
+    assert result is not None, "set_state left no state"
+    return result[1]
 
 
 def test_name_is_etcd_v3_and_state_key_is_the_runs_rdzv_state(backend: EtcdV3RendezvousBackend) -> None:
@@ -143,10 +149,10 @@ def test_state_rides_on_a_lease_of_two_hours_owned_by_the_backend(
 def test_lease_is_granted_once_and_reused_between_refreshes(etcd_client: EtcdClient) -> None:
     clock = FakeClock()
     backend = EtcdV3RendezvousBackend(etcd_client, RUN, ttl_s=60, clock=clock)
-    token = backend.set_state(_state(1))[1]  # type: ignore[index]
+    token = _token(backend.set_state(_state(1)))
     lease = backend.lease_id
     clock.now += 10  # < ttl/4: no refresh, same lease
-    token = backend.set_state(_state(2), token)[1]  # type: ignore[index]
+    token = _token(backend.set_state(_state(2), token))
     assert backend.lease_id == lease
     clock.now += 20  # > ttl/4 since the grant: refreshed, still the same lease
     backend.set_state(_state(3), token)

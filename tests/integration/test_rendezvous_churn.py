@@ -10,6 +10,7 @@ new node, and train on; the run ends (every node stopped by SIGTERM at once) wit
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 from datetime import datetime
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from elasticd import envvars
-from tests.integration.cluster import Cluster, Node, leftover_processes, train_args, wait_until
+from elasticd.etcd.server import EmbeddedEtcd
+from tests.integration.cluster import Cluster, Node, leftover_processes, step_after, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -30,11 +32,15 @@ PHASES = [("joined", "store_address"), ("published", "rank_assignment"), ("start
 ABANDON_BOUND_S = 20.0
 
 
-def _when(event: dict) -> float:  # type: ignore[type-arg]
+def _is_after(t: float, event: dict) -> bool:
+    return _when(event) > t
+
+
+def _when(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
-def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -78,12 +84,10 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd,
             (tmp_path / f"arm-{victim}").unlink()
             alive = survivors
             # The survivors and the new node form the next round and train at 3 again.
-            first = c.wait_step(
-                lambda s, t=killed_at: s["t"] > t and s["world_size"] == 3, timeout_s=120, what="3 workers again"
-            )
+            first = c.wait_step(step_after(killed_at, 3), timeout_s=120, what="3 workers again")
             formed_at = []
             for name in alive:
-                done = c.nodes[name].wait_event("rendezvous_done", where=lambda e, t=killed_at: _when(e) > t)
+                done = c.nodes[name].wait_event("rendezvous_done", where=functools.partial(_is_after, killed_at))
                 assert victim not in done["members"], c.diagnostics()
                 assert newcomer is None or newcomer in done["members"], c.diagnostics()
                 formed_at.append(_when(done))

@@ -93,7 +93,7 @@ def _join_running_group(make: Any, slow_between_rounds_s: float = 0.0) -> list[r
                 if isinstance(state_handler, _RendezvousExitOp):
                     time.sleep(slow_between_rounds_s)
 
-        running[2]._op_executor = _PausesAfterLeaving()  # type: ignore[assignment]
+        running[2]._op_executor = _PausesAfterLeaving()
     joiner = make(5, LONG_LAST_CALL_S)
     with ThreadPoolExecutor(1) as pool:
         joined = pool.submit(joiner.next_rendezvous)  # waits in the list for the next round

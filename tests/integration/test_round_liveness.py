@@ -7,6 +7,7 @@ see of a SIGKILL; tests/integration/test_rendezvous_churn.py kills real daemons.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -95,7 +96,7 @@ def test_rank0_dying_before_it_publishes_the_store_address_ends_the_wait_in_seco
 def _assign_worker_ranks(info: RendezvousInfo) -> Any:
     """torch's own rank assignment, as the agent runs it right after the rendezvous."""
     spec = SimpleNamespace(role="default", local_world_size=1)
-    return SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank, info.world_size, spec)  # type: ignore[arg-type]
+    return SimpleElasticAgent._assign_worker_ranks(None, info.store, info.rank, info.world_size, spec)
 
 
 def test_rank0_dying_after_it_published_ends_the_rank_assignment_wait(handlers: list[Any]) -> None:
@@ -104,7 +105,7 @@ def test_rank0_dying_after_it_published_ends_the_rank_assignment_wait(handlers: 
     assert [i.rank for i in infos] == [0, 1, 2]
     doomed._stop_heartbeats()  # dies right after publishing, before assigning worker ranks
 
-    errors = _all([lambda i=info: _assign_worker_ranks(i) for info in infos[1:]])
+    errors = _all([functools.partial(_assign_worker_ranks, info) for info in infos[1:]])
     for error in errors:
         assert isinstance(error, RoundAbandonedError), error
         assert error.phase == "rank_assignment" and error.lost == (doomed.member,)
@@ -117,7 +118,7 @@ def test_any_member_dying_before_it_wrote_its_part_ends_everyone_elses_wait(hand
     doomed._get_store = lambda: _die(doomed)  # decided into the round as rank 2, then dead
     infos = _all([h.next_rendezvous for h in handlers])
     assert [i.rank for i in infos[:2]] == [0, 1] and isinstance(infos[2], _Died)
-    errors = _all([lambda i=info: _assign_worker_ranks(i) for info in infos[:2]])
+    errors = _all([functools.partial(_assign_worker_ranks, info) for info in infos[:2]])
     for error in errors:
         assert isinstance(error, RoundAbandonedError), error
         assert error.phase == "rank_assignment" and error.waited_s < NOTICED_WITHIN_S

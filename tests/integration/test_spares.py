@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
 from tests.helpers import free_port
 from tests.integration.cluster import Cluster, leftover_processes, wait_until
 from tests.integration.test_worker_library import effective_ids
@@ -48,8 +49,8 @@ def spare_gauge(port: int) -> float | None:
     return None
 
 
-def test_kill_one_of_four_leaves_two_training_and_a_spare_that_steps_in_at_the_next_join(  # type: ignore[no-untyped-def]
-    etcd, tmp_path: Path
+def test_kill_one_of_four_leaves_two_training_and_a_spare_that_steps_in_at_the_next_join(
+    etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     record = tmp_path / "ids.jsonl"
     args = (
@@ -113,8 +114,8 @@ def assert_exactly_once(record: Path) -> None:
         assert sorted(seen) == list(range(DATASET)), f"epoch {epoch}: samples skipped or repeated"
 
 
-def test_a_first_round_that_does_not_fit_reforms_with_a_spare_without_counting_a_restart(  # type: ignore[no-untyped-def]
-    etcd, tmp_path: Path
+def test_a_first_round_that_does_not_fit_reforms_with_a_spare_without_counting_a_restart(
+    etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     # Nothing is recorded yet: the workers of the first round (3 nodes) find that 3 do not split the batch, report it
     # and exit; the daemons re-form with 2 training and 1 spare, and the spare finishes with the run (exit 0).

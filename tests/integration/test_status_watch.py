@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
 from tests.integration.cluster import Cluster, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -34,7 +35,8 @@ class Terminal:
         env = dict(os.environ, TERM="xterm-256color", COLUMNS="200", LINES="60")
         self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
         os.close(slave)
-        self._master, self._chunks = master, []  # type: ignore[var-annotated]
+        self._master = master
+        self._chunks: list[bytes] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -64,8 +66,8 @@ def header_step(frame: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def test_the_watch_shows_the_nodes_a_moving_step_and_a_lost_node_then_ends_on_ctrl_c(  # type: ignore[no-untyped-def]
-    etcd, tmp_path: Path
+def test_the_watch_shows_the_nodes_a_moving_step_and_a_lost_node_then_ends_on_ctrl_c(
+    etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
     names = ["watch-a", "watch-b", "watch-c"]
     with Cluster(etcd.endpoint, tmp_path, run_id="watched", min_nodes=2, max_nodes=3, script_args=train_args(900)) as c:

@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
 from tests.helpers import free_port
 from tests.integration import mounts
 from tests.integration.cluster import EXAMPLE, Cluster, Node, train_args, wait_until
@@ -65,7 +66,7 @@ def failures_total(port: int) -> float:
 
 
 def test_full_disk_fails_saves_cleanly_training_goes_on_and_a_restart_resumes_from_the_last_commit(
-    etcd,  # type: ignore[no-untyped-def]
+    etcd: EmbeddedEtcd,
     tmp_path: Path,
 ) -> None:
     port = free_port()
@@ -120,13 +121,15 @@ def test_full_disk_fails_saves_cleanly_training_goes_on_and_a_restart_resumes_fr
         wait_until(lambda: len(worker_events(node, "resumed")) >= resumes + 2, 90, "both ranks resumed")
         assert {e["step"] for e in worker_events(node, "resumed")[resumes:]} == {newest}, c.diagnostics()
         assert node.wait(150) == 0, c.diagnostics()
-        assert c.last_step()["step"] == 120  # type: ignore[index]
+        assert c.newest_step()["step"] == 120
         assert len(daemon_events(node, "restart")) == 1  # the kill's, and no other
         assert not partials(run_dir)
 
 
 @pytest.mark.parametrize("fault", ["read-only", "full"])
-def test_unwritable_checkpoint_dir_at_start_is_one_line_and_exit_2(etcd, tmp_path: Path, fault: str) -> None:  # type: ignore[no-untyped-def]
+def test_unwritable_checkpoint_dir_at_start_is_one_line_and_exit_2(
+    etcd: EmbeddedEtcd, tmp_path: Path, fault: str
+) -> None:
     with mounts.tmpfs(tmp_path / "disk", 256) as disk:
         if fault == "read-only":
             mounts.remount(disk, "ro")
@@ -150,7 +153,9 @@ def test_unwritable_checkpoint_dir_at_start_is_one_line_and_exit_2(etcd, tmp_pat
     # files cannot be written, and the ranks agree on the failure through the collectives that were barriers
     [("read-only", "async"), ("full", "blocking")],
 )
-def test_checkpoint_dir_failing_mid_run_gives_events_not_restarts(etcd, tmp_path: Path, fault: str, saves: str) -> None:  # type: ignore[no-untyped-def]
+def test_checkpoint_dir_failing_mid_run_gives_events_not_restarts(
+    etcd: EmbeddedEtcd, tmp_path: Path, fault: str, saves: str
+) -> None:
     code = "EROFS" if fault == "read-only" else "ENOSPC"
     with (
         mounts.tmpfs(tmp_path / "checkpoints", 2048) as disk,
@@ -186,12 +191,14 @@ def test_checkpoint_dir_failing_mid_run_gives_events_not_restarts(etcd, tmp_path
                 mounts.free(disk)
         wait_until(lambda: [s for s in committed(run_dir) if s > failed[-1]], 60, "a commit once writable again")
         assert node.wait(150) == 0, c.diagnostics()
-        assert c.last_step()["step"] == 100  # type: ignore[index]
+        assert c.newest_step()["step"] == 100
         assert not daemon_events(node, "restart") and not daemon_events(node, "worker_failed")
         assert not partials(run_dir)
 
 
-def test_hang_with_a_full_checkpoint_disk_is_an_event_and_both_daemons_recover(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_hang_with_a_full_checkpoint_disk_is_an_event_and_both_daemons_recover(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     with (
         mounts.tmpfs(tmp_path / "checkpoints", 1024) as disk,
         Cluster(
@@ -223,6 +230,6 @@ def test_hang_with_a_full_checkpoint_disk_is_an_event_and_both_daemons_recover(e
         finally:
             if psutil.pid_exists(victim):
                 os.kill(victim, signal.SIGKILL)
-        assert c.last_step()["step"] == 100  # type: ignore[index]
+        assert c.newest_step()["step"] == 100
         failed = daemon_events(a, "checkpoint_failed") + daemon_events(b, "checkpoint_failed")
         assert [e for e in failed if e["errno"] == "ENOSPC"], c.diagnostics()

@@ -163,12 +163,12 @@ def test_delete_key_and_num_keys(store: EtcdV3Store) -> None:
 
 def test_set_timeout_is_honoured_and_readable(store: EtcdV3Store) -> None:
     store.set_timeout(timedelta(seconds=7))
-    assert store.timeout == timedelta(seconds=7)  # type: ignore[attr-defined]
+    assert store.timeout == timedelta(seconds=7)  # type: ignore[attr-defined]  # not in torch's stubs
     with store_util.store_timeout(store, 0.2):
-        assert store.timeout == timedelta(seconds=0.2)  # type: ignore[attr-defined]
+        assert store.timeout == timedelta(seconds=0.2)  # type: ignore[attr-defined]  # not in torch's stubs
         with pytest.raises(dist.DistStoreError):
             store.wait(["never"])
-    assert store.timeout == timedelta(seconds=7)  # type: ignore[attr-defined]
+    assert store.timeout == timedelta(seconds=7)  # type: ignore[attr-defined]  # not in torch's stubs
 
 
 def test_works_wrapped_in_torchs_prefix_store(store: EtcdV3Store, etcd_client: EtcdClient) -> None:
@@ -178,7 +178,7 @@ def test_works_wrapped_in_torchs_prefix_store(store: EtcdV3Store, etcd_client: E
     assert wrapped.add("cnt", 2) == 2
     assert wrapped.compare_set("cas", "", "new") == b"new"
     assert wrapped.check(["key"]) and not wrapped.check(["nope"])
-    wrapped.multi_set(["a", "b"], ["1", "2"])  # type: ignore[attr-defined]
+    wrapped.multi_set(["a", "b"], ["1", "2"])  # type: ignore[attr-defined]  # not in torch's stubs
     assert wrapped.multi_get(["a", "b"]) == [b"1", b"2"]
     setter = _later(0.2, lambda: wrapped.set("late", "x"))
     wrapped.wait(["late"])

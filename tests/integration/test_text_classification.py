@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
 from tests.integration.cluster import ROOT, Cluster, read_json_lines
 from tests.integration.test_accelerate_config import WIZARD_CPU_BF16
 
@@ -17,7 +18,7 @@ EXAMPLE = ROOT / "examples" / "text_classification.py"
 STEPS = 120  # 3 epochs of 1920 sentences in global batches of 48
 
 
-def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     config = tmp_path / "accelerate.yaml"
     config.write_text(WIZARD_CPU_BF16)
     model_dir = tmp_path / "trained"

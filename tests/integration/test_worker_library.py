@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from elasticd.etcd.server import EmbeddedEtcd
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -51,7 +52,7 @@ def assert_exactly_once(record: Path, epochs: int) -> None:
         assert sorted(seen) == list(range(DATASET)), f"epoch {epoch}: samples skipped or repeated"
 
 
-def test_kill_during_checkpoint_write_resumes_from_the_previous_commit(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_kill_during_checkpoint_write_resumes_from_the_previous_commit(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     # Rank 0 is killed (SIGKILL, by itself) after writing the files of step 20 but before committing them.
     with Cluster(
         etcd.endpoint,
@@ -93,7 +94,9 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_with_a_warning(t
     assert not (run_dir / "step-000000000030.partial").exists() or (run_dir / "step-000000000030").exists()
 
 
-def test_three_two_four_three_sees_every_sample_once_with_constant_batch_and_lr(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_three_two_four_three_sees_every_sample_once_with_constant_batch_and_lr(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
     record = tmp_path / "ids.jsonl"
     # long enough that the run is still going when el-4 leaves: the 3 -> 2 change costs only a step in place, and
     # the two joiners' start (~10 s here) would otherwise take most of a shorter run
@@ -115,7 +118,7 @@ def test_three_two_four_three_sees_every_sample_once_with_constant_batch_and_lr(
         c.wait_step(lambda s: s["world_size"] == 2, timeout_s=60, what="2 workers")
         c.start("el-3"), c.start("el-4")  # 2 -> 4
         c.wait_step(lambda s: s["world_size"] == 4, timeout_s=90, what="4 workers")
-        mark = c.last_step()["step"]  # type: ignore[index]
+        mark = c.newest_step()["step"]
         c.wait_step(lambda s: s["step"] >= mark + 3, what="a few steps at 4")
         c.nodes["el-4"].proc.send_signal(signal.SIGTERM)  # 4 -> 3
         assert c.nodes["el-4"].wait(60) == 0, c.diagnostics()
@@ -146,7 +149,7 @@ def test_three_two_four_three_sees_every_sample_once_with_constant_batch_and_lr(
             assert saved and set(saved) <= resumed, (name, saved, resumed)
 
 
-def test_nan_once_is_skipped_on_every_rank_and_the_run_completes(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_nan_once_is_skipped_on_every_rank_and_the_run_completes(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -168,7 +171,7 @@ def test_nan_once_is_skipped_on_every_rank_and_the_run_completes(etcd, tmp_path:
         assert not [e for n in c.nodes.values() for e in n.events("restart")]
 
 
-def test_persistent_nan_rolls_back_then_stops_with_exit_code_1(etcd, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_persistent_nan_rolls_back_then_stops_with_exit_code_1(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     with Cluster(
         etcd.endpoint,
         tmp_path,

@@ -115,7 +115,7 @@ def test_fitting_nodes_are_exactly_the_node_counts_that_plan(
 def test_bad_values_are_rejected_with_a_message_naming_the_argument(kwargs: dict[str, object], key: str) -> None:
     arguments: dict[str, object] = {"global_batch_size": 8, "micro_batch_size": 2, "world_size": 2, **kwargs}
     with pytest.raises(ConfigError) as caught:
-        plan_batches(**arguments)  # type: ignore[arg-type]
+        plan_batches(**arguments)  # type: ignore[arg-type]  # bad values on purpose
     assert caught.value.key == key
     assert not isinstance(caught.value, BatchPlanError)
     assert str(caught.value).startswith(f"{key}: ")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from elasticd.agent.beats import BeatReceiver
 from elasticd.worker.beats import BeatClient
 
 
-def wait_for(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-untyped-def]
+def wait_for(predicate: Callable[[], object], timeout_s: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -19,7 +23,7 @@ def wait_for(predicate, timeout_s: float = 5.0) -> bool:  # type: ignore[no-unty
     return False
 
 
-def test_client_without_daemon_is_a_noop(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_client_without_daemon_is_a_noop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ELASTICD_SOCKET", raising=False)
     client = BeatClient.from_env()
     assert not client.enabled and client.send(step=1) is False
@@ -31,7 +35,7 @@ def test_client_with_vanished_daemon_drops_the_beat(tmp_path: Path) -> None:
 
 
 def test_beats_reach_the_receiver_and_garbage_is_counted(tmp_path: Path) -> None:
-    seen: list[dict] = []  # type: ignore[type-arg]
+    seen: list[dict[str, Any]] = []
     receiver = BeatReceiver(str(tmp_path / "b.sock"), on_beat=seen.append)
     try:
         client = BeatClient(receiver.path, rank=3, local_rank=1)

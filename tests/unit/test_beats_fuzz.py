@@ -22,20 +22,13 @@ from elasticd.agent.beats import BeatReceiver, InvalidBeatError, parse_beat
 from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.reports import WorkerReports
 from elasticd.agent.stragglers import StragglerDetector
+from elasticd.messages import Kind
 from elasticd.metrics import Metrics
 from elasticd.worker.beats import BeatClient
 
-KINDS = [
-    "step",
-    "hello",
-    "resumed",
-    "nonfinite",
-    "fatal",
-    "checkpoint_committed",
-    "checkpoint_saved",
-    "checkpoint_failed",
-]
+KINDS = [kind.value for kind in Kind]
 FIELDS = [
+    "v",
     "rank",
     "local_rank",
     "step",
@@ -120,7 +113,7 @@ def test_receiver_survives_any_datagram_and_still_delivers_valid_beats(tmp_path:
     reports.reset({0, 1})
     tracker = ProgressTracker(
         metrics,
-        _UnclaimedRegistry(),  # type: ignore[arg-type]
+        _UnclaimedRegistry(),  # type: ignore[arg-type]  # a registry that writes nothing
         reports,
         lambda: log,
         stragglers=StragglerDetector(factor=1.5, window_s=30.0),

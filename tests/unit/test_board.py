@@ -6,7 +6,14 @@ import os
 from pathlib import Path
 
 from elasticd.agent.evidence import main_thread, process_state
-from elasticd.board import NullSlotWriter, Phase, SlotWriter, read_slot, request_dump, slot_path
+from elasticd.board import NullSlotWriter, Phase, Slot, SlotWriter, read_slot, request_dump
+from elasticd.layout import slot_path
+
+
+def _slot(path: Path) -> Slot:
+    slot = read_slot(path)
+    assert slot is not None, "no slot"
+    return slot
 
 
 def test_worker_updates_are_read_by_the_daemon(tmp_path: Path) -> None:
@@ -16,14 +23,14 @@ def test_worker_updates_are_read_by_the_daemon(tmp_path: Path) -> None:
     assert slot is not None and slot.phase is Phase.STARTING and slot.pid == os.getpid() and slot.step_done_t == 0
     writer.resumed(20)
     writer.enter(21)
-    assert read_slot(path).entered_step == 21  # type: ignore[union-attr]
+    assert _slot(path).entered_step == 21
     writer.completed(21, step_s=0.1, own_s=0.02)
     slot = read_slot(path)
     assert slot is not None
     assert (slot.phase, slot.completed_step, slot.entered_step) == (Phase.TRAINING, 21, 21)
     assert slot.step_s == 0.1 and slot.own_s == 0.02 and slot.step_done_t == slot.progress_t > 0
     writer.set_phase(Phase.CHECKPOINT)
-    assert read_slot(path).phase is Phase.CHECKPOINT  # type: ignore[union-attr]
+    assert _slot(path).phase is Phase.CHECKPOINT
     writer.close()
 
 

@@ -27,11 +27,17 @@ def test_commit_renames_and_writes_a_manifest_with_sizes_and_hashes(tmp_path: Pa
     assert not store.partial_path(20).exists()
 
 
+def _latest(store: CheckpointStore) -> Checkpoint:
+    latest = store.latest()
+    assert latest is not None, "no committed checkpoint"
+    return latest
+
+
 def test_partial_is_never_latest_and_is_removed_on_start(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, "run")
     save(store, 10)
     (store.begin(20) / "model.bin").write_bytes(b"half")  # a crash before the commit
-    assert store.latest().step == 10  # type: ignore[union-attr]
+    assert _latest(store).step == 10
     assert store.remove_partials() == [store.partial_path(20)]
     assert not store.partial_path(20).exists()
 
@@ -40,8 +46,8 @@ def test_directory_without_manifest_is_not_committed(tmp_path: Path) -> None:
     store = CheckpointStore(tmp_path, "run")
     save(store, 10)
     save(store, 20)
-    (store.latest().path / MANIFEST).unlink()  # type: ignore[union-attr]
-    assert store.latest().step == 10  # type: ignore[union-attr]
+    (_latest(store).path / MANIFEST).unlink()
+    assert _latest(store).step == 10
 
 
 def test_keeps_only_the_newest_k(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import pytest
 
 from elasticd.cli import main
 from elasticd.config import StartConfig
+from elasticd.etcd.endpoints import Endpoint, format_endpoints
 
 
 @pytest.fixture
@@ -197,8 +198,8 @@ def test_status_and_stop_read_start_s_config_file_and_ignore_its_other_keys(
 ) -> None:
     seen: list[tuple[str, str]] = []
 
-    def fake(etcd: str, run_id: str, _timeout: float, **_kw: object) -> int:
-        seen.append((etcd, run_id))
+    def fake(etcd: tuple[Endpoint, ...], run_id: str, _timeout: float, **_kw: object) -> int:
+        seen.append((format_endpoints(etcd), run_id))
         return 0
 
     monkeypatch.setattr("elasticd.status.show_status", fake)

@@ -28,7 +28,7 @@ WAITING = RankEvidence(
 
 def rank(r: int, **changes: object) -> RankEvidence:
     fields: dict[str, object] = {"local_rank": r % 2, "node": "a" if r < 2 else "b", "pid": 100 + r, **changes}
-    return replace(WAITING, rank=r, **fields)  # type: ignore[arg-type]
+    return replace(WAITING, rank=r, **fields)  # type: ignore[arg-type]  # fields by name, of several types
 
 
 def test_stopped_process_is_the_culprit_whatever_else_it_shows() -> None:

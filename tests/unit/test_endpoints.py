@@ -80,5 +80,5 @@ def test_formatted_list_parses_back_to_the_same_endpoints() -> None:
 def test_endpoint_is_immutable_and_hashable() -> None:
     endpoint = Endpoint("a", 1)
     with pytest.raises(AttributeError):
-        endpoint.port = 2  # type: ignore[misc]
+        endpoint.port = 2  # type: ignore[misc]  # the point: it is frozen
     assert {endpoint, Endpoint("a", 1)} == {endpoint}

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from elasticd import options
 from elasticd.errors import ConfigError
-from elasticd.etcd.access import PASSWORD_ENV, PASSWORD_FILE_ENV, EtcdAccess, resolve_access
+from elasticd.etcd.access import PASSWORD_ENV, EtcdAccess, resolve_access
+
+PASSWORD_FILE_ENV = options.ETCD_PASSWORD_FILE.env
 
 
 @pytest.fixture

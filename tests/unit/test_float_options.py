@@ -11,7 +11,8 @@ import click
 import pytest
 
 from elasticd.cli import SecondsOrAuto, cli, main
-from elasticd.config import RDZV_CONF_KEYS
+from elasticd.option_values import RDZV_CONF_KEYS
+from tests.helpers import records
 
 BAD = ["nan", "inf", "-inf", "1e308"]
 YAML_BAD = {"nan": ".nan", "inf": ".inf", "-inf": "-.inf", "1e308": "1.0e+308"}  # YAML's own floats, not strings
@@ -45,9 +46,9 @@ def script(tmp_path: Path) -> Path:
 def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Whatever slips through validation is recorded instead of started (and fails the test)."""
     ran: list[str] = []
-    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", lambda cfg: ran.append("start") or 0)
-    monkeypatch.setattr("elasticd.status.show_status", lambda *a, **k: ran.append("status") or 0)
-    monkeypatch.setattr("elasticd.control.request_drain", lambda *a, **k: ran.append("stop") or 0)
+    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", records(ran, "start", result=0))
+    monkeypatch.setattr("elasticd.status.show_status", records(ran, "status", result=0))
+    monkeypatch.setattr("elasticd.control.request_drain", records(ran, "stop", result=0))
     return ran
 
 

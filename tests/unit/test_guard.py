@@ -85,7 +85,9 @@ def test_fp16_scaler_skips_count_inf_as_overflow_and_nan_as_nonfinite(bad: float
     guard.install(optimizer, model.parameters)
     before = model.weight.detach().clone()
     optimizer.scaler.scale(model(torch.ones(1, 2)).sum()).backward()  # what accelerator.backward does in fp16
-    model.weight.grad[0, 0] = bad
+    grad = model.weight.grad
+    assert grad is not None
+    grad[0, 0] = bad
     optimizer.step()
     assert optimizer.step_was_skipped
     assert torch.equal(model.weight.detach(), before)  # the scaler kept the bad step away from the weights

@@ -11,7 +11,8 @@ from typing import Any
 
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.watchdog import Suspicion, Watchdog
-from elasticd.board import Phase, SlotWriter, read_slot, slot_path
+from elasticd.board import Phase, SlotWriter, read_slot
+from elasticd.layout import RunLayout, slot_path
 from elasticd.metrics import Metrics
 
 
@@ -46,7 +47,7 @@ def handler(tmp_path: Path, events: Events, *, exited: set[int], liveness: Any =
         agreement=None,
         node_id="a",
         board_dir=board,
-        run_dir=tmp_path / "run",
+        run=RunLayout(tmp_path, "run"),
         metrics=Metrics.create(),
         log=lambda: events,
         liveness=liveness,

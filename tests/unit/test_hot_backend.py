@@ -32,7 +32,7 @@ TIMEOUT = timedelta(seconds=30)
 def test_gloo_is_picked_by_its_name() -> None:
     groups = groups_named("gloo", timeout=TIMEOUT, environ={})
     assert isinstance(groups, GlooGroups) and groups.timeout == TIMEOUT
-    assert not groups.can_shrink(object())  # type: ignore[arg-type]
+    assert not groups.can_shrink(object())  # type: ignore[arg-type]  # the point: not a group
 
 
 def test_nccl_refuses_in_one_line_where_torch_has_no_nccl_or_no_gpu() -> None:

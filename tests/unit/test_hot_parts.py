@@ -47,9 +47,9 @@ def test_an_abandoned_group_is_kept_until_its_timeout_has_certainly_passed() -> 
     now = [100.0]
     abandoned = AbandonedGroups(clock=lambda: now[0])
     old, older = object(), object()
-    abandoned.keep(old, timeout_s=60.0)  # type: ignore[arg-type]
+    abandoned.keep(old, timeout_s=60.0)  # type: ignore[arg-type]  # any object stands for a group
     now[0] += 10
-    abandoned.keep(older, timeout_s=600.0)  # type: ignore[arg-type]
+    abandoned.keep(older, timeout_s=600.0)  # type: ignore[arg-type]  # any object stands for a group
     now[0] = 100.0 + 60.0 + _RELEASE_MARGIN_S - 1
     assert abandoned.sweep() == 0 and len(abandoned) == 2
     now[0] += 2

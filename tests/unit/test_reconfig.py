@@ -13,6 +13,7 @@ from structlog.testing import capture_logs
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.reconfig import Reconfigurations, fallback_label
 from elasticd.logging import get_logger
+from elasticd.messages import Kind
 from elasticd.metrics import HOT_FALLBACK_REASONS, RECONFIGURATION_REASONS, Metrics
 from elasticd.worker.beats import BeatClient
 
@@ -200,8 +201,8 @@ def test_a_workers_beats_reach_the_counts_through_the_real_beat_socket(tmp_path:
             fields = reconfigured(worker.local_rank, heal_bytes=10)
             for key in ("kind", "rank", "local_rank"):
                 fields.pop(key)
-            assert worker.send("reconfigured", **fields)
-            assert worker.send("hot_fallback", reason="reform_failed", message="peer died during the re-formation")
+            assert worker.send(Kind.RECONFIGURED, **fields)
+            assert worker.send(Kind.HOT_FALLBACK, reason="reform_failed", message="peer died during the re-formation")
         deadline = time.monotonic() + BEAT_WAIT_S
         while value(prom, "elasticd_heal_bytes_total") != 20 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -155,10 +155,10 @@ class _Holder:
 def _wakeup(state: _RendezvousState, now: datetime = NOW, **kwargs: Any) -> wakeup.StateWakeup:
     """A wakeup that knows no revision (so it sleeps, through ``sleep=`` if given) and reads no etcd."""
     return wakeup.StateWakeup(
-        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]  # no etcd client: this wakeup never reads
         "/key",
         lambda: None,
-        _Holder(state),  # type: ignore[arg-type]
+        _Holder(state),  # type: ignore[arg-type]  # a fake of torch's state holder
         A,
         _settings(),
         now=lambda: now,

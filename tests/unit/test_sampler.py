@@ -225,7 +225,7 @@ class Numbers(Dataset[dict[str, torch.Tensor]]):
 
 
 class Plain(Numbers):
-    def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]
+    def __getitem__(self, index: int) -> torch.Tensor:  # type: ignore[override]  # a dataset of plain tensors
         return super().__getitem__(index)["x"]
 
 

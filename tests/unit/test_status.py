@@ -41,9 +41,9 @@ def record(node_id: str, **fields: Any) -> dict[str, Any]:
 
 def rendered(status: dict[str, Any]) -> tuple[str, list[dict[str, str]]]:
     """The summary line and the table's rows (column -> cell) as ``elasticd status`` prints them."""
-    console = Console(file=io.StringIO(), width=200, color_system=None)
-    _render(status, console)
-    lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    out = io.StringIO()
+    _render(status, Console(file=out, width=200, color_system=None))
+    lines = out.getvalue().splitlines()
     header, *rows = [
         [cell.strip() for cell in line.strip("┃│").split(line[0])] for line in lines[1:] if line[0] in "┃│"
     ]

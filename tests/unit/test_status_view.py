@@ -18,9 +18,9 @@ def node(node_id: str, **fields: Any) -> dict[str, Any]:
 
 
 def text(renderable: Any) -> str:
-    console = Console(file=io.StringIO(), width=200, color_system=None)
-    console.print(renderable)
-    return console.file.getvalue()  # type: ignore[attr-defined,no-any-return]
+    out = io.StringIO()
+    Console(file=out, width=200, color_system=None).print(renderable)
+    return out.getvalue()
 
 
 def test_a_frame_shows_every_node_the_step_rate_loss_goodput_and_the_checkpoint_age() -> None:
@@ -56,7 +56,8 @@ def test_recent_changes_show_restarts_re_formations_and_nodes_that_vanished_in_t
 
 
 def test_the_watch_redraws_every_second_and_a_keyboard_interrupt_ends_it_with_status_0() -> None:
-    console = Console(file=io.StringIO(), width=200, force_terminal=True, color_system=None)
+    out = io.StringIO()
+    console = Console(file=out, width=200, force_terminal=True, color_system=None)
     steps = iter([5, 7, 9])
     clock = iter([100.0, 101.0, 102.0])
     slept: list[float] = []
@@ -69,7 +70,7 @@ def test_the_watch_redraws_every_second_and_a_keyboard_interrupt_ends_it_with_st
 
     assert run_watch(collect, console, clock=lambda: next(clock), sleep=slept.append) == 0
     assert sum(slept) == pytest.approx(3.0) and max(slept) <= 0.1  # a second a frame, in slices a Ctrl-C cuts short
-    assert "rate 2.00 steps/s" in console.file.getvalue()  # type: ignore[attr-defined]
+    assert "rate 2.00 steps/s" in out.getvalue()
 
 
 def test_a_node_s_record_keeps_its_newest_changes_for_the_view() -> None:

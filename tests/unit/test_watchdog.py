@@ -9,6 +9,7 @@ import pytest
 
 from elasticd.agent.watchdog import AUTO_FLOOR_S, EXIT_ALLOWANCE_S, AutoTimeout, Watchdog
 from elasticd.board import Phase, Slot
+from tests.helpers import records
 
 TRAINING = Slot(
     pid=1,
@@ -132,14 +133,16 @@ def test_work_the_script_marks_busy_gets_the_startup_allowance() -> None:
 def test_run_busy_marks_the_slot_and_restores_training(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from elasticd.board import SlotWriter, read_slot, slot_path
+    from elasticd.board import SlotWriter, read_slot
+    from elasticd.layout import slot_path
     from elasticd.worker.run import Run
 
     path = slot_path(tmp_path, 0)
     run = SimpleNamespace(slot=SlotWriter(path))
     run.slot.resumed(3)
-    with Run.busy(run):  # type: ignore[arg-type]
-        assert read_slot(path).phase is Phase.BUSY  # type: ignore[union-attr]
+    with Run.busy(run):  # type: ignore[arg-type]  # a namespace with the one attribute busy() uses, not a Run
+        slot = read_slot(path)
+        assert slot is not None and slot.phase is Phase.BUSY
     slot = read_slot(path)
     assert slot is not None and slot.phase is Phase.TRAINING
 
@@ -158,7 +161,7 @@ def test_exited_worker_is_a_failure_for_torch_never_a_hang() -> None:
 
 def test_only_silent_ranks_are_asked_whether_they_exited() -> None:
     asked: list[int] = []
-    w = Watchdog(lambda _rank: None, timeout_s=2.0, startup_s=60.0, exited=lambda pid: asked.append(pid) or False)
+    w = Watchdog(lambda _rank: None, timeout_s=2.0, startup_s=60.0, exited=records(asked, result=False))
     w.reset((0,), started_at=0.0)
     assert w.check(101.0, {0: TRAINING}) is None
     assert asked == []  # one read of /proc per silent rank, not per rank and tick
@@ -175,7 +178,8 @@ def test_exiting_worker_gets_the_exit_allowance_not_the_hang_timeout() -> None:
 def test_uncaught_exception_marks_the_slot_exiting_and_chains_to_the_previous_hook(tmp_path: Path) -> None:
     import sys
 
-    from elasticd.board import SlotWriter, read_slot, slot_path
+    from elasticd.board import SlotWriter, read_slot
+    from elasticd.layout import slot_path
     from elasticd.worker.diagnostics import WorkerDiagnostics
 
     seen: list[type[BaseException]] = []
@@ -187,7 +191,8 @@ def test_uncaught_exception_marks_the_slot_exiting_and_chains_to_the_previous_ho
         diagnostics = WorkerDiagnostics(tmp_path, 0, slot)
         error = RuntimeError("Connection reset by peer")
         sys.excepthook(RuntimeError, error, None)
-        assert read_slot(slot_path(tmp_path, 0)).phase is Phase.EXITING  # type: ignore[union-attr]
+        read = read_slot(slot_path(tmp_path, 0))
+        assert read is not None and read.phase is Phase.EXITING
         assert seen == [RuntimeError]  # the traceback is still printed by whoever printed it before
         diagnostics.close()
         assert sys.excepthook is not diagnostics._on_uncaught

@@ -217,7 +217,7 @@ class NcclGroups(Groups):
             # torch gives the shrunk group a clone of the old group's store, after the communicator was shrunk and
             # the old group destroyed: a store that cannot clone (a Python store, elasticd's etcd one included)
             # would fail the shrink past the point of return
-            group.get_group_store().clone()  # type: ignore[attr-defined]
+            group.get_group_store().clone()  # type: ignore[attr-defined]  # not in torch's stubs
         except Exception:
             return False
         return True

@@ -62,7 +62,7 @@ def _source_mentions(function: object, *needles: str) -> str | None:
     if function is None:
         return "missing"
     try:
-        source = inspect.getsource(function)  # type: ignore[arg-type]
+        source = inspect.getsource(function)  # type: ignore[arg-type]  # TypeError caught below
     except (OSError, TypeError):
         return "its source cannot be read"
     absent = [n for n in needles if n not in source]

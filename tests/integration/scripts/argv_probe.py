@@ -11,7 +11,7 @@ if __name__ == "__main__":
     seen = {
         "argv": sys.argv,
         "name": __name__,
-        "write_through": sys.stdout.write_through,
+        "write_through": getattr(sys.stdout, "write_through", None),
         "path0": sys.path[0],
         "pid": os.getpid(),
     }

@@ -58,8 +58,8 @@ class InTeardown:
         self.sleep(3.0)  # rank 1 exits meanwhile: the given-up collective fails now, in gloo's thread
 
 
-hook = ResilientAllReduce(GroupHolder(group), StepHealth())
-future = hook.reduce(Bucket())  # type: ignore[arg-type]
+hook = ResilientAllReduce(GroupHolder(group), StepHealth())  # type: ignore[arg-type]  # a bare gloo backend stands in for a ProcessGroup: it has all the hook calls
+future = hook.reduce(Bucket())  # type: ignore[arg-type]  # stands in for torch's GradBucket
 hook.abort("the test gives the step up")
 future.wait()  # completed unreduced: the collective is given up on, still pending in gloo
 hook.close()
