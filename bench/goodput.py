@@ -15,15 +15,16 @@ time line through the schedule goes to one picture (``--png``, needs matplotlib:
 
     python bench/goodput.py [--minutes 10] [--kill-every 30] [--join-after 20] [--only SYSTEM ...] [--png PATH]
 
-The raw results (commit, machine, every step line's time, step and size, the schedule) go to
-``bench/results/goodput-<short commit>.json`` unless ``--json`` says otherwise.
+Before each system the benchmark waits (up to bench/recovery.py's ``QUIET_TIMEOUT_S``) until other processes use
+under a quarter core, and records what they used then and over the window. The raw results (commit, machine,
+versions, every step line's time, step and size, the schedule, the others' load) go to
+``bench/results/goodput-<short commit>[-dirty].json`` unless ``--json`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import shutil
 import statistics
 import sys
@@ -41,17 +42,22 @@ if __package__ in (None, ""):  # run as `python bench/goodput.py`
 from bench.common import (
     BenchTimeout,
     code_revision,
-    finite,
+    foreign_cores,
+    foreign_cpu,
     interrupt_on_sigterm,
     machine,
     preflight,
+    results_path,
     snapshot_code,
     text_table,
+    versions,
+    wait_for_quiet,
+    write_results,
 )
 from bench.recovery import (
     CHECKPOINT_EVERY_STEPS,
     MAX_NODES,
-    RESULTS_DIR,
+    QUIET_TIMEOUT_S,
     SCRIPT_ARGS,
     STARTUP_TIMEOUT_S,
     SYSTEMS,
@@ -59,7 +65,6 @@ from bench.recovery import (
     Job,
     start_job,
     steps_at,
-    versions,
     wait_steady,
 )
 
@@ -83,6 +88,9 @@ class Run:
     line: list[tuple[float, int, int]] = field(default_factory=list)
     kills: list[tuple[float, str]] = field(default_factory=list)
     joins: list[tuple[float, str]] = field(default_factory=list)
+    # Cores' worth of CPU used by processes outside the benchmark before the job started and over the window.
+    foreign_cores_before: float | None = None
+    foreign_cores_during: float | None = None
 
 
 def baseline_step_time(job: Job) -> float:
@@ -124,6 +132,7 @@ def run_schedule(job: Job, minutes: float, kill_every_s: float, join_after_s: fl
     start = time.time()
     end = start + minutes * 60
     run.steps_before = highest_step(job, start)
+    others = foreign_cpu()
     events: list[tuple[float, str]] = []
     k = 1
     while start + k * kill_every_s < end:
@@ -147,6 +156,7 @@ def run_schedule(job: Job, minutes: float, kill_every_s: float, join_after_s: fl
     time.sleep(max(end - time.time(), 0.0))
     job.launcher.refresh()
     run.window_s = round(time.time() - start, 2)
+    run.foreign_cores_during = round(foreign_cores(others, foreign_cpu(), run.window_s), 2)
     run.steps_after = highest_step(job, start + run.window_s)
     run.line = sorted(
         (round(float(r["t"]) - start, 3), int(r["step"]), int(r["world_size"]))
@@ -162,13 +172,16 @@ def run_schedule(job: Job, minutes: float, kill_every_s: float, join_after_s: fl
 def run_system(system: str, workdir: Path, code: Path, args: argparse.Namespace) -> Run:
     trial_dir = workdir / system
     run_id = f"goodput-{system}-{uuid.uuid4().hex[:6]}"
+    cores_before = round(wait_for_quiet(QUIET_TIMEOUT_S), 2)
     print(f"[{system}] starting", file=sys.stderr)
     with ExitStack() as stack:
         job = start_job(stack, system, trial_dir, run_id, code)
         try:
-            return run_schedule(job, args.minutes, args.kill_every, args.join_after)
+            run = run_schedule(job, args.minutes, args.kill_every, args.join_after)
         except BenchTimeout as exc:
-            return Run(system, note=f"not measured: {exc}")
+            run = Run(system, note=f"not measured: {exc}")
+    run.foreign_cores_before = cores_before
+    return run
 
 
 def render(runs: Sequence[Run]) -> str:
@@ -254,34 +267,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(render(runs))
     drawn = draw(runs, args.png)
-    commit = revision.get("commit")
-    out = args.json or (
-        RESULTS_DIR / f"goodput-{commit}{'-dirty' if revision.get('uncommitted_changes') else ''}.json"
-        if commit
-        else None
-    )
-    if out is not None:
-        report = {
-            "command": ["python", "bench/goodput.py", *(argv if argv is not None else sys.argv[1:])],
-            "machine": machine(),
-            "versions": versions(),
-            "code": revision,
-            "config": {
-                "minutes": args.minutes,
-                "kill_every_s": args.kill_every,
-                "join_after_s": args.join_after,
-                "script_args": list(SCRIPT_ARGS),
-                "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
-                "baseline_steps": BASELINE_STEPS,
-                "torchrun_tuned_rdzv_conf": TUNED_RDZV_CONF,
-                "png": str(args.png) if drawn else None,
-            },
-            "duration_s": round(time.time() - started, 1),
-            "runs": [asdict(r) for r in runs],
-        }
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(finite(report), indent=1) + "\n")
-        print(f"raw results: {out}", file=sys.stderr)
+    out = args.json or results_path("goodput", revision)
+    report = {
+        "command": ["python", "bench/goodput.py", *(argv if argv is not None else sys.argv[1:])],
+        "machine": machine(),
+        "versions": versions(),
+        "code": revision,
+        "config": {
+            "minutes": args.minutes,
+            "kill_every_s": args.kill_every,
+            "join_after_s": args.join_after,
+            "script_args": list(SCRIPT_ARGS),
+            "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
+            "baseline_steps": BASELINE_STEPS,
+            "torchrun_tuned_rdzv_conf": TUNED_RDZV_CONF,
+            "png": str(args.png) if drawn else None,
+        },
+        "duration_s": round(time.time() - started, 1),
+        "runs": [asdict(r) for r in runs],
+    }
+    write_results(out, report)
     if args.logs is None and all(r.goodput is not None for r in runs):
         shutil.rmtree(workdir, ignore_errors=True)
     else:

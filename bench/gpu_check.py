@@ -52,13 +52,12 @@ if __package__ in (None, ""):  # run as `python bench/gpu_check.py`
 import torch
 import torch.distributed as dist
 
-from bench.common import code_revision, interrupt_on_sigterm, machine, text_table
+from bench.common import code_revision, interrupt_on_sigterm, machine, results_path, text_table, versions, write_results
 from elasticd.worker.hot.backend import worker_env
 from elasticd.worker.hot.heal import order_by_progress
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "integration" / "scripts" / "hot_worker.py"
-RESULTS = REPO / "bench" / "results"
 # One scenario's whole run (spawn, imports, 20-odd steps, the change, exit); the box may be busy.
 SCENARIO_TIMEOUT_S = 120.0
 # The shell script allows 5 minutes in all; a trial is not started with less than this left (s).
@@ -390,19 +389,18 @@ def main() -> int:
                 shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sample.items() if k != "error"}
                 print(f"  {scenario} trial {trial + 1}: {'FAILED: ' + problem if problem else 'ok'} {shown}")
     print(summary(samples))
-    commit = f"{revision['commit']}{'-dirty' if revision['uncommitted_changes'] else ''}"
-    path = args.json or RESULTS / f"gpu_check-{args.backend}-{commit}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = args.json or results_path(f"gpu_check-{args.backend}", revision)
     record = {
+        "command": ["python", "bench/gpu_check.py", *sys.argv[1:]],
         "backend": args.backend,
         "poll": args.poll,
         "workers": n,
         "gpus": gpus,
-        "revision": revision,
+        "code": revision,
         "machine": machine(),
+        "versions": versions(),
     }
-    path.write_text(json.dumps({**record, "samples": samples}, indent=1) + "\n")
-    print(f"raw results: {path}")
+    write_results(path, {**record, "samples": samples})
     return 1 if failed else 0
 
 

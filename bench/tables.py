@@ -1,0 +1,389 @@
+"""The Markdown tables of docs/benchmarks.md, one renderer per kind of raw results file (bench/report.py finds the
+marked blocks, reads their files and calls these).
+
+Every renderer takes the JSON a benchmark wrote and returns Markdown whose first line names the commit the figures
+were measured on, the machine, and what a ``*`` means; figures come from the file only. A constant the benchmark
+assumed rather than measured (gloo's collective timeout in the hang benchmark) is shown as assumed and never
+divided by a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bench.common import QUIET_CORES
+
+_RECOVERY_SYSTEMS = ("elasticd", "elasticd-cold", "torchrun", "torchrun-tuned")
+_RECOVERY_LABELS = {
+    "join": "join (2 -> 3 nodes)",
+    "node_loss": "node loss (kill -9, 3 -> 2)",
+    "node_loss_rank0": "node loss, rank-0 node",
+    "node_vanish": "vanished node (SIGSTOP)",
+    "hang": "hung worker (SIGSTOP of one worker, --hang-timeout auto)",
+}
+_CONTENDED = f"*: other processes used more than {QUIET_CORES:g} cores around that sample"
+_OTHERS = f"`*`: more than {QUIET_CORES:g}"
+
+
+# -- shared pieces -------------------------------------------------------------------------------------------
+
+
+def provenance(results: dict[str, Any]) -> str:
+    """'Measured on commit abc1234, 2 CPUs, Python 3.11.7, torch 2.13.0+cpu': what every table starts with."""
+    code = results.get("code") or {}
+    text = f"Measured on commit {code.get('commit') or 'unknown'}"
+    if code.get("uncommitted_changes"):
+        text += " plus uncommitted changes to elasticd/ or examples/"
+    elif code.get("from_file_name"):
+        text += " (named by the results file's name: the file predates recording the commit)"
+    machine = results.get("machine") or {}
+    parts = [
+        f"{machine['cpus']} CPUs" if machine.get("cpus") else "",
+        f"Python {machine['python']}" if machine.get("python") else "",
+        f"torch {machine['torch']}" if machine.get("torch") else "",
+    ]
+    return ", ".join([text, *(p for p in parts if p)])
+
+
+def _row(cells: Sequence[object]) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _table(head: Sequence[str], body: Sequence[Sequence[object]]) -> list[str]:
+    return [_row(head), "|" + "---|" * len(head), *(_row(r) for r in body)]
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    if not isinstance(value, int | float):
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.{digits}f}"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "did not recover" if math.isinf(value) else f"{value:.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.1f}x"
+
+
+def _contended(row: dict[str, Any]) -> bool | None:
+    """Whether others used more than QUIET_CORES around ``row``; None when the file did not record it."""
+    seen = [row.get("foreign_cores_before"), row.get("foreign_cores_during")]
+    values = [v for v in seen if isinstance(v, int | float)]
+    return max(values) > QUIET_CORES if values else None
+
+
+def _others(row: dict[str, Any]) -> str:
+    before, during = row.get("foreign_cores_before"), row.get("foreign_cores_during")
+    if before is None and during is None:
+        return "not recorded"
+    return f"{_num(before)} / {_num(during)}" + ("*" if _contended(row) else "")
+
+
+def _samples(values: Sequence[float | None], contended: Sequence[bool] | None = None, digits: int = 2) -> str:
+    marks = contended or [False] * len(values)
+    text = ["x" if v is None else _num(v, digits) for v in values]
+    return ", ".join(t + ("*" if c else "") for t, c in zip(text, marks, strict=True))
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:+.2f} %"
+
+
+def _spread(fractions: Sequence[float]) -> str:
+    return f"{100 * min(fractions):+.2f}..{100 * max(fractions):+.2f} %" if fractions else "-"
+
+
+# -- bench/recovery.py ---------------------------------------------------------------------------------------
+
+
+def recovery_table(results: dict[str, Any]) -> str:
+    """Per scenario, each system's median and samples (seconds until training runs at the new size), the ratio of
+    tuned torchrun to elasticd, the targets; then the median phase ends."""
+    systems = [s for s in _RECOVERY_SYSTEMS if any(s in row for row in results["summary"])]
+    trials = results.get("config", {}).get("trials")
+    lines = [
+        f"{provenance(results)}; {trials} trial(s) per system, {results.get('duration_s', 0) / 60:.0f} min;"
+        f" {_CONTENDED}; x: did not recover within the timeout.",
+        "",
+    ]
+    body = []
+    for row in results["summary"]:
+        cells = [_RECOVERY_LABELS.get(row["scenario"], row["scenario"])]
+        for system in systems:
+            data = row.get(system)
+            if data:
+                samples = _samples(data.get("samples_s", []), data.get("contended"))
+                cells.append(f"**{_seconds(data['median_s'])}** ({samples})")
+            else:
+                cells.append("n/a")
+        body.append([*cells, _ratio(row.get("ratio_tuned_over_elasticd")), row.get("target", "")])
+    head = ["scenario", *(f"{s} median s (samples)" for s in systems), "tuned / elasticd", "target"]
+    lines += _table(head, body)
+    phases = []
+    for row in results["summary"]:
+        for system in systems:
+            if data := row.get(system):
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in data.get("phase_medians_s", {}).items())
+                phases.append(f"- {_RECOVERY_LABELS.get(row['scenario'], row['scenario'])}, {system}: {parts}")
+    if phases:
+        lines += [
+            "",
+            "Median phase ends, seconds after the fault (or the join's start); for a join also `stall` (the running"
+            " group's longest pause between two steps, less a typical step), `stall_total` (every step's excess over a"
+            " typical one summed) and `ready_to_step` (the joiner's workers imported and prepared -> their first step"
+            " in the group), all in seconds:",
+            "",
+            *phases,
+        ]
+    return "\n".join(lines) + "\n"
+
+
+# -- bench/goodput.py ----------------------------------------------------------------------------------------
+
+
+def goodput_table(results: dict[str, Any]) -> str:
+    """Per system: goodput, distinct steps, the undisturbed step time, the window, kills and joins."""
+    config = results.get("config", {})
+    lines = [
+        f"{provenance(results)}; {config.get('minutes')} min window, a kill every {config.get('kill_every_s')} s, a"
+        f" join {config.get('join_after_s')} s after each kill; others: cores other processes used before the run /"
+        f" over the window ({_OTHERS}).",
+        "",
+    ]
+    head = [
+        "system",
+        "goodput",
+        "distinct steps",
+        "undisturbed step ms",
+        "window s",
+        "kills",
+        "joins",
+        "others",
+        "note",
+    ]
+    body = []
+    for run in results["runs"]:
+        goodput = run.get("goodput")
+        step_ms = None if run.get("step_time_s") is None else 1000 * run["step_time_s"]
+        body.append(
+            [
+                run.get("system"),
+                "-" if goodput is None else f"**{100 * goodput:.1f} %**",
+                run.get("steps_after", 0) - run.get("steps_before", 0),
+                _num(step_ms, 0),
+                _num(run.get("window_s"), 0),
+                len(run.get("kills", [])),
+                len(run.get("joins", [])),
+                _others(run),
+                run.get("note", ""),
+            ]
+        )
+    return "\n".join(lines + _table(head, body)) + "\n"
+
+
+# -- bench/checkpoint.py -------------------------------------------------------------------------------------
+
+
+def checkpoint_table(results: dict[str, Any]) -> str:
+    """Per ranks setting, a blocking and an asynchronous save: how long the loop was blocked (median and every
+    save), the time to the commit, the step after the save, and asynchronous over blocking against the target."""
+    config = results.get("config") or results  # files before the config key kept these at the top
+    rows = results["results"]
+    model = config.get("model", "linear-stack")
+    if model == "text-classifier":
+        model += f" ({config.get('model_size', 'tiny')})"
+    target = config.get("target_ratio", 0.10)
+    first = rows[0]
+    lines = [
+        f"{provenance(results)}; model {model}, {first['parameters'] / 1e6:.1f}M parameters,"
+        f" {first['checkpoint_bytes'] / 1e6:.0f} MB per checkpoint; median of {config.get('repeats')} saves of each"
+        f" kind (every save in brackets); target: asynchronous / blocking <= {100 * target:.0f} %; others: cores"
+        f" other processes used before / during that ranks setting ({_OTHERS}).",
+        "",
+    ]
+    head = [
+        "ranks",
+        "save",
+        "blocked s (samples)",
+        "to commit s",
+        "step after the save s",
+        "async / blocking",
+        "others",
+    ]
+    body = []
+    for row in rows:
+        for kind, label in (("blocking", "blocking"), ("background", "asynchronous")):
+            blocked = _samples([s["blocking_s"] for s in row[f"{kind}_samples"]], digits=3)
+            ratio = ""
+            if kind == "background":
+                verdict = "met" if row["ratio"] <= target else "MISSED"
+                ratio = f"**{100 * row['ratio']:.1f} %** ({verdict})"
+            cells = [row["ranks"], label, f"**{_num(row[f'{kind}_blocking_s'], 3)}** ({blocked})"]
+            cells += [_num(row[f"{kind}_total_s"], 3), _num(row[f"{kind}_step_s"], 3), ratio, _others(row)]
+            body.append(cells)
+    return "\n".join(lines + _table(head, body)) + "\n"
+
+
+# -- bench/step_overhead.py ----------------------------------------------------------------------------------
+
+
+def step_overhead_table(results: dict[str, Any]) -> str:
+    """Per compute kind and ranks: the baseline's and elasticd's median steps and the overhead against the 1 %
+    target; then, where the hot loop ran, the hot path against the cold loop and the baseline (target 2 %)."""
+    settings = results.get("settings", {})
+    rows = results["results"]
+    lines = [
+        f"{provenance(results)}; {settings.get('blocks')} rounds of one {settings.get('steps')}-step block per loop"
+        f" after {settings.get('warmup')} warm-up steps; overhead: of the median step; rounds: of each round's block"
+        " medians (the machine's noise); means: of the medians of block means; others: cores other processes used"
+        f" before / during the run ({_OTHERS}).",
+        "",
+    ]
+    target = settings.get("target", 0.01)
+    head = ["compute", "ranks", "parameters", "baseline ms", "elasticd ms", f"overhead (target {100 * target:.0f} %)"]
+    head += ["µs/step", "rounds", "means", "others"]
+    body = []
+    for row in rows:
+        cells = [row["compute"], row["ranks"], f"{row['parameters'] / 1e6:.2f}M"]
+        cells += [_num(1e3 * row["baseline_median_s"]), _num(1e3 * row["elasticd_median_s"])]
+        cells += [f"**{_percent(row['overhead'])}**", _num(row["overhead_us"], 0), _spread(row["pair_overheads"])]
+        body.append([*cells, _percent(row["mean_overhead"]), _others(row)])
+    lines += _table(head, body)
+    hot_rows = [row for row in rows if "hot_vs_cold" in row]
+    if hot_rows:
+        hot_target = settings.get("hot_target", 0.02)
+        lines += [
+            "",
+            "With hot recovery armed (the comm hook, the failed-step guard, the watch thread, the probe listener), the"
+            f" hot loop against the cold elasticd loop (the hot path's own cost) and the baseline; target"
+            f" {100 * hot_target:.0f} %:",
+            "",
+        ]
+        head = ["compute", "ranks", "baseline ms", "cold ms", "hot ms", "hot / cold", "rounds", "means"]
+        head += ["hot / baseline", "rounds", "means"]
+        body = []
+        for row in hot_rows:
+            cold, base = row["hot_vs_cold"], row["hot_vs_baseline"]
+            cells = [row["compute"], row["ranks"], _num(1e3 * row["baseline_median_s"])]
+            cells += [_num(1e3 * row["elasticd_median_s"]), _num(1e3 * row["hot_median_s"])]
+            for c in (cold, base):
+                cells += [f"**{_percent(c['overhead'])}**", _spread(c["pair_overheads"]), _percent(c["mean_overhead"])]
+            body.append(cells)
+        lines += _table(head, body)
+        lines += ["", "CPU the hot path's threads used on rank 0 over the measured rounds, µs per hot step:", ""]
+        lines += [f"- {row['compute']}, {row['ranks']} ranks: {_hot_threads(row)}" for row in hot_rows]
+    return "\n".join(lines) + "\n"
+
+
+def _hot_threads(row: dict[str, Any]) -> str:
+    # the hook's deadline watcher, the etcd watch (and pyetcd's Python thread behind it), the probe listener
+    threads = {k: v for k, v in row.get("thread_cpu_s", {}).items() if k.startswith(("elasticd-hot-", "pyetcd"))}
+    steps = sum(len(block) for block in row["samples"]["hot"])
+    used = ", ".join(f"{name.rsplit('_', 1)[0]} {1e6 * cpu / steps:.0f}" for name, cpu in sorted(threads.items()))
+    return used or "none seen (the kernel counts 10 ms ticks)"
+
+
+# -- bench/hang.py -------------------------------------------------------------------------------------------
+
+
+def hang_table(results: dict[str, Any]) -> str:
+    """Hang -> detection, -> restart decided, -> first step for the fixed and learned timeouts, what torchrun did
+    in its watch (its timeout shown as assumed), the false-hang runs, and the median phase ends."""
+    config, summary = results.get("config", {}), results["summary"]
+    labels = {
+        "fixed": f"elasticd, --hang-timeout {config.get('fixed_timeout_s', 2):g}",
+        "auto": "elasticd, --hang-timeout auto",
+    }
+    lines = [
+        f"{provenance(results)}; {config.get('trials')} trial(s) of each elasticd scenario, torchrun once; seconds"
+        " after the hang start (rank 0's step line for the last step both ranks completed); median (every counted"
+        f" trial in brackets); {_CONTENDED.replace('sample', 'trial')}; x: none within the timeout.",
+        "",
+    ]
+    head = ["system", "hang -> detection s", "-> restart decided s", "-> first step s", "timeout in force s"]
+    body: list[list[object]] = []
+    for scenario in ("fixed", "auto"):
+        if (r := summary.get(scenario)) is None:
+            continue
+        marks = r.get("contended")
+        detect = f"**{_num(r['detect_median_s'])}** ({_samples(r['detect_samples_s'], marks)})"
+        first = f"**{_num(r['first_step_median_s'])}** ({_samples(r['first_step_samples_s'], marks)})"
+        timeouts = ", ".join(_num(v) for v in r.get("timeout_s", []))
+        body.append([labels[scenario], detect, _num(r.get("restart_decided_median_s")), first, timeouts])
+    if (t := summary.get("torchrun")) is not None:
+        watched = f"none within the {_num(t.get('watched_s'), 0)} s watched"
+        bound = t.get("assumed_bound_s", config.get("assumed_gloo_timeout_s"))
+        timeout = f"no hang detection; gloo's collective timeout, {_num(bound, 0)} s (assumed, not measured)"
+        body.append(["torchrun --standalone", watched, "-", watched, timeout])
+    lines += _table(head, body)
+    notes = []
+    if (a := summary.get("auto")) is not None and "target" in a:
+        notes.append(
+            "Targets for auto: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in a["target"].items())
+        )
+    if t is not None and t.get("note"):
+        notes.append(f"torchrun: {t['note']}" + "".join(f"; `{x}`" for x in t.get("reactions", [])))
+    lines += ["", *(f"- {n}." for n in notes)] if notes else []
+    if (f := summary.get("false_hang")) is not None:
+        lines += ["", *_false_hang(f, config)]
+    phases = [
+        f"- {labels[s]}: " + ", ".join(f"{k} {v:.2f}" for k, v in summary[s].get("phase_medians_s", {}).items())
+        for s in ("fixed", "auto")
+        if s in summary
+    ]
+    if phases:
+        lines += ["", "Median phase ends, seconds after the hang start:", "", *phases]
+    return "\n".join(lines) + "\n"
+
+
+def _false_hang(f: dict[str, Any], config: dict[str, Any]) -> list[str]:
+    every = config.get("false_hang_checkpoint_every_steps")
+    lines = [
+        f"False hangs: `--hang-timeout auto`, no hang, `{config.get('jitter_fault', 'jitter')}` on every rank, a"
+        f" checkpoint every {every} steps; one row per run:",
+        "",
+    ]
+    head = ["run", "steps", "step intervals s (min / median / max, max/min)", "learned timeout s (min..max)"]
+    head += ["hang_detected", "hang_cleared", "hang_diagnosed", "restarts", "completed"]
+    body = []
+    for i, stats in enumerate(f["step_s"]):
+        learned = f["auto_timeout_s"][i]
+
+        def pick(key: str, i: int = i) -> object:
+            values = f.get(key) or []
+            return values[i] if i < len(values) else "-"
+
+        intervals = (
+            f"{_num(stats.get('min'))} / {_num(stats.get('median'))} / {_num(stats.get('max'))},"
+            f" {_num(stats.get('max_over_min'), 1)}x"
+            if stats
+            else "-"
+        )
+        span = f"{_num(learned.get('min'))}..{_num(learned.get('max'))}" if learned else "-"
+        counts = [pick(k) for k in ("hang_detected", "hang_cleared", "hang_diagnosed", "restarts", "completed")]
+        body.append([i + 1, pick("steps"), intervals, span, *counts])
+    acted, suspected = f.get("target_none_acted_on"), f.get("target_none_suspected")
+    return [
+        *lines,
+        *_table(head, body),
+        "",
+        f"No false hang acted on: {'met' if acted else 'MISSED'}; no false suspicion either:"
+        f" {'met' if suspected else 'MISSED'}.",
+    ]
+
+
+KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
+    "recovery": recovery_table,
+    "goodput": goodput_table,
+    "checkpoint": checkpoint_table,
+    "step_overhead": step_overhead_table,
+    "hang": hang_table,
+}
