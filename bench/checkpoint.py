@@ -54,10 +54,9 @@ from bench.common import (
     code_revision,
     foreign_cores,
     foreign_cpu,
-    machine,
+    report_header,
     results_path,
     snapshot_code,
-    versions,
     wait_for_quiet,
     write_results,
 )
@@ -239,10 +238,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {"model": args.model, "model_size": args.model_size, "params": args.params, "repeats": args.repeats}
     config.update(steps=args.steps, ranks=args.ranks, target_ratio=TARGET_RATIO, quiet_timeout_s=QUIET_TIMEOUT_S)
     report = {
-        "command": ["python", "bench/checkpoint.py", *(argv if argv is not None else sys.argv[1:])],
-        "machine": machine(),
-        "versions": versions(),
-        "code": revision,
+        **report_header("checkpoint.py", argv, revision),
         "config": config,
         "duration_s": round(time.time() - started, 1),
         "results": rows,

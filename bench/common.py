@@ -310,6 +310,16 @@ def results_path(name: str, revision: dict[str, Any]) -> Path:
     return RESULTS_DIR / f"{name}-{revision.get('commit') or 'unknown'}{dirty}.json"
 
 
+def report_header(script: str, argv: Sequence[str] | None, revision: dict[str, Any]) -> dict[str, Any]:
+    """What every raw result starts with: the command that made it, the machine, the versions, the code."""
+    return {
+        "command": ["python", f"bench/{script}", *(argv if argv is not None else sys.argv[1:])],
+        "machine": machine(),
+        "versions": versions(),
+        "code": revision,
+    }
+
+
 def write_results(path: Path, report: dict[str, Any]) -> None:
     """Write ``report`` to ``path`` as strict JSON (an infinite median becomes null) and say where."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -45,12 +45,11 @@ from bench.common import (
     foreign_cores,
     foreign_cpu,
     interrupt_on_sigterm,
-    machine,
     preflight,
+    report_header,
     results_path,
     snapshot_code,
     text_table,
-    versions,
     wait_for_quiet,
     write_results,
 )
@@ -269,10 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     drawn = draw(runs, args.png)
     out = args.json or results_path("goodput", revision)
     report = {
-        "command": ["python", "bench/goodput.py", *(argv if argv is not None else sys.argv[1:])],
-        "machine": machine(),
-        "versions": versions(),
-        "code": revision,
+        **report_header("goodput.py", argv, revision),
         "config": {
             "minutes": args.minutes,
             "kill_every_s": args.kill_every,

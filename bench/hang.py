@@ -69,12 +69,11 @@ from bench.common import (
     glog_to_unix,
     interrupt_on_sigterm,
     iso_to_unix,
-    machine,
     preflight,
+    report_header,
     results_path,
     snapshot_code,
     text_table,
-    versions,
     wait_for_quiet,
     wait_until,
     write_results,
@@ -629,10 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(rows))
     failed = any(s.scenario in ("fixed", "auto") and s.first_step_s is None for s in samples)
     report = {
-        "command": ["python", "bench/hang.py", *(argv if argv is not None else sys.argv[1:])],
-        "machine": machine(),
-        "versions": versions(),
-        "code": revision,
+        **report_header("hang.py", argv, revision),
         "config": {
             "backend": f"gloo (CPU), one node, {NPROC} workers, 127.0.0.1",
             "hang_args": [*script_args(HANG_EPOCHS)],

@@ -88,12 +88,11 @@ from bench.common import (
     interrupt_on_sigterm,
     iso_to_unix,
     listening_on,
-    machine,
     preflight,
+    report_header,
     results_path,
     snapshot_code,
     text_table,
-    versions,
     wait_for_quiet,
     wait_until,
     write_results,
@@ -919,10 +918,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     failed = any(s.seconds is None for s in samples)
     out = args.json or results_path("recovery", revision)
     report = {
-        "command": ["python", "bench/recovery.py", *(argv if argv is not None else sys.argv[1:])],
-        "machine": machine(),
-        "versions": versions(),
-        "code": revision,
+        **report_header("recovery.py", argv, revision),
         "config": {
             "backend": "gloo (CPU), one worker per node, 127.0.0.1",
             "script_args": list(SCRIPT_ARGS),
