@@ -68,7 +68,7 @@ def _click_option(option: o.Option, command: str) -> Callable[[Any], Any]:
     env: dict[str, Any] = {"envvar": option.env, "show_envvar": True} if option.reads_env else {}
     if option is o.CONFIG:  # eager: the file becomes click's default_map, so CLI and env still win over it
         return click.option(
-            option.flag, **env, type=click.Path(dir_okay=False), is_eager=True, expose_value=False,
+            option.flag, **env, type=_CLICK_TYPES[option.kind](option), is_eager=True, expose_value=False,
             callback=_load_config, help=option.help,
         )  # fmt: skip
     if option.kind == "flag":

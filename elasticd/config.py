@@ -20,7 +20,7 @@ from elasticd import options as o
 from elasticd.accelerate_env import precheck
 from elasticd.errors import ConfigError
 from elasticd.etcd.access import EtcdAccess, access_from_options
-from elasticd.etcd.endpoints import Endpoint
+from elasticd.etcd.endpoints import Endpoint, format_endpoints
 
 OnNan = Literal["skip", "rollback", "stop"]
 Recovery = Literal["hot", "cold"]
@@ -68,7 +68,7 @@ class StartConfig:
 
     @property
     def etcd_text(self) -> str:
-        return ",".join(str(e) for e in self.etcd)
+        return format_endpoints(self.etcd)
 
     def etcd_connect_args(self) -> dict[str, Any]:
         """``EtcdClient.connect``'s arguments for the run's etcd (once the daemon settled it: ``etcd`` is empty

@@ -72,9 +72,7 @@ class Option:
             if isinstance(raw, str) and self.kind in ("int", "float"):  # text, when click did not convert it
                 raw = int(raw) if self.kind == "int" else parse_number(raw)
             value = self.parse(raw) if self.parse is not None else raw
-        except ConfigError:
-            raise
-        except ValueError as exc:
+        except ValueError as exc:  # (a parser's ConfigError already names its option)
             raise ConfigError(self.flag, str(exc)) from None
         if value is not None and self.check is not None and (problem := self.check(value)) is not None:
             raise ConfigError(self.flag, problem)
@@ -96,8 +94,9 @@ class Option:
         value = text or (self.default if self.worker_default is ... else self.worker_default)
         if value is None:
             return None
-        decode: Callable[[Any], Any] = {"int": int, "float": float, "dir": Path}.get(self.kind, str)
-        return Path(value) if self.parse is Path else decode(value)
+        if self.parse is Path:
+            return Path(value)
+        return {"int": int, "float": float}.get(self.kind, str)(value)
 
 
 # --- checks ----------------------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import signal
 import sys
 from collections.abc import Mapping
 from contextlib import ExitStack
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -82,7 +81,6 @@ def run_daemon(cfg: StartConfig) -> int:
                 local_addr=cfg.local_addr or "127.0.0.1",
             )
             log.info("embedded_etcd_started", endpoint=etcd.endpoint, pid=etcd.pid, credentials=str(etcd.password_file))
-        endpoints, local_addr = cfg.etcd_text, cfg.local_addr
         client = EtcdClient.connect(**cfg.etcd_connect_args(), on_error=lambda _exc: metrics.etcd_errors_total.inc())
         stack.callback(client.close)
         keys = RunKeys(cfg.run_id)
@@ -122,9 +120,8 @@ def run_daemon(cfg: StartConfig) -> int:
 
         runtime = RuntimeLayout.create()
         stack.callback(shutil.rmtree, runtime.dir, ignore_errors=True)
-        socket_path = str(runtime.socket)
         board_dir = runtime.board
-        _export_worker_env(cfg, socket_path, board_dir, accelerate.env, has_gpu, log)
+        _export_worker_env(cfg, runtime, run_layout, accelerate.env, has_gpu, log)
         if cfg.recovery == "hot":
             from elasticd.worker.hot.backend import worker_env
 
@@ -140,7 +137,7 @@ def run_daemon(cfg: StartConfig) -> int:
             rdzv_handler=handler,
             max_restarts=cfg.max_restarts,
             monitor_interval=cfg.monitor_interval_s,
-            local_addr=local_addr,
+            local_addr=cfg.local_addr,
         )
         agent = ElasticdAgent(
             spec=spec,
@@ -197,7 +194,7 @@ def run_daemon(cfg: StartConfig) -> int:
             announce_leaving=lease.announce_leaving if lease is not None else None,
             group_nodes=lambda: group_nodes(client, keys),
         )
-        stack.callback(BeatReceiver(socket_path, on_beat=agent.on_beat, log=log).close)
+        stack.callback(BeatReceiver(str(runtime.socket), on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)
         log.info(
             "daemon_started",
@@ -206,7 +203,7 @@ def run_daemon(cfg: StartConfig) -> int:
             min_nodes=cfg.min_nodes,
             max_nodes=cfg.max_nodes,
             nproc_per_node=cfg.nproc_per_node,
-            etcd=endpoints,
+            etcd=cfg.etcd_text,
             metrics_port=cfg.metrics_port,
             hang_timeout_s=cfg.hang_timeout_s or "auto",
         )
@@ -293,8 +290,8 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
 
 def _export_worker_env(
     cfg: StartConfig,
-    socket_path: str,
-    board_dir: Path,
+    runtime: RuntimeLayout,
+    run: RunLayout,
     accelerate: Mapping[str, str],
     has_gpu: bool,
     log: Any,
@@ -305,12 +302,12 @@ def _export_worker_env(
     os.environ.update(cfg.worker_env())
     os.environ.update(
         {
-            envvars.SOCKET: socket_path,
-            envvars.BOARD: str(board_dir),
+            envvars.SOCKET: str(runtime.socket),
+            envvars.BOARD: str(runtime.board),
             **cfg.etcd_access.worker_env(),
         }
     )
-    for name, value in _torch_diagnostics_env(cfg).items():
+    for name, value in _torch_diagnostics_env(cfg, run).items():
         os.environ.setdefault(name, value)  # the user's own settings win
     # a worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
@@ -349,7 +346,7 @@ def rendezvous_parameters(cfg: StartConfig) -> RendezvousParameters:
     )
 
 
-def _torch_diagnostics_env(cfg: StartConfig) -> dict[str, str]:
+def _torch_diagnostics_env(cfg: StartConfig, run: RunLayout) -> dict[str, str]:
     """torch's collective diagnostics, set consistent with the timeout hierarchy (docs/architecture.md).
 
     The flight recorder keeps the last collectives of every process group (gloo and NCCL) for the hang evidence.
@@ -357,7 +354,6 @@ def _torch_diagnostics_env(cfg: StartConfig) -> dict[str, str]:
     gather evidence, so elasticd diagnoses and restarts first, and torch dumps and aborts only if we could not.
     """
     hang_s = cfg.hang_timeout_s if cfg.hang_timeout_s is not None else AUTO_CAP_S
-    run = RunLayout(cfg.checkpoint_dir.resolve(), cfg.run_id)
     return {
         envvars.TORCH_FR_BUFFER_SIZE: "2000",
         envvars.TORCH_NCCL_DUMP_ON_TIMEOUT: "1",

@@ -13,7 +13,7 @@ from typing import Any
 import click
 import pytest
 
-from elasticd import cli, options
+from elasticd import cli, envvars, options
 from elasticd.agent.daemon import rendezvous_parameters
 from elasticd.config import StartConfig
 from elasticd.etcd.client import EtcdClient
@@ -161,8 +161,7 @@ def test_every_etcd_client_of_a_node_gets_the_same_endpoints_connect_timeout_and
 ) -> None:
     """The daemon's client, the rendezvous handler's, the workers' (fence and hot path: WorkerSettings) and those of
     ``status`` and ``stop`` given the same options: one set of connect arguments."""
-    for name in ("ELASTICD_ETCD_PASSWORD",):
-        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(envvars.ETCD_PASSWORD, raising=False)
     access = [
         options.ETCD_CACERT.flag, _write(tmp_path / "ca.pem"),
         options.ETCD_CERT.flag, _write(tmp_path / "cert.pem"),
