@@ -104,11 +104,13 @@ class EtcdClient:
         on_error: ErrorHook | None = None,
         *,
         login: tuple[str, str] | None = None,
+        reconnect: Callable[[], EtcdClient],
     ) -> None:
         self._raw = raw
         self._endpoints = tuple(endpoints)
         self._on_error = on_error
         self._login = login  # (user, password): to get a new token when etcd forgot ours
+        self._reconnect = reconnect  # connect() again with the arguments that made this client
         self._lock = threading.RLock()
 
     @classmethod
@@ -142,6 +144,18 @@ class EtcdClient:
         attempt_timeout_s = min(request_timeout_s, connect_timeout_s / len(endpoints))
 
         clients: list[EtcdClient] = []  # one pyetcd client across attempts: it remembers failed endpoints
+        again = functools.partial(
+            cls.connect,
+            endpoints,
+            connect_timeout_s=connect_timeout_s,
+            request_timeout_s=request_timeout_s,
+            ca_cert=ca_cert,
+            cert=cert,
+            key=key,
+            user=user,
+            password=password,
+            on_error=on_error,
+        )
 
         def attempt() -> EtcdClient:
             if not clients:
@@ -163,7 +177,7 @@ class EtcdClient:
                     # plain metadata, which is what etcd reads (loopback, or a network the operator trusts).
                     raw.call_credentials = None
                 login = (user, password) if user is not None and password is not None else None
-                clients.append(cls(raw, endpoints, on_error, login=login))
+                clients.append(cls(raw, endpoints, on_error, login=login, reconnect=again))
             client = clients[0]
             try:
                 client._call("status", client._raw.status)
@@ -189,6 +203,12 @@ class EtcdClient:
     @property
     def endpoints(self) -> tuple[Endpoint, ...]:
         return self._endpoints
+
+    def reconnect(self) -> EtcdClient:
+        """A new client on a connection of its own to the same endpoints, with this client's TLS files, credentials,
+        timeouts and error hook: it works on after this one is closed (close it apart). Raises what :meth:`connect`
+        raises."""
+        return self._reconnect()
 
     # -- keys ----------------------------------------------------------------------------------------------
 

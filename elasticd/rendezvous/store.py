@@ -9,7 +9,10 @@ also stops waiting as soon as its :class:`~elasticd.rendezvous.liveness.RoundWat
 (``RoundAbandonedError``), so no wait outlives the member that has to write the key.
 
 C++ callers (``PrefixStore``) can reach every method here except ``delete_key`` and ``num_keys``: torch's
-pybind trampoline does not forward those two to Python, so call them on this object directly.
+pybind trampoline does not forward those two to Python, so call them on this object directly. :meth:`clone` is
+c10d's (``PrefixStore.clone``, ``dist.shrink_group``): a store over the same keys on a connection of its own.
+torch's C++ check of a Python store (``torch.distributed._test_python_store``) passes on it
+(``tests/integration/test_store.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import ParamSpec, TypeVar, cast
 
 import torch.distributed as dist
 
+from elasticd.errors import ElasticdError
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.rendezvous.liveness import RoundAbandonedError, RoundWatch
 
@@ -33,7 +37,7 @@ _NO_TIMEOUT_SLICE_S = 30.0
 
 class EtcdV3Store(dist.Store):
     """c10d Store semantics on etcd: set, get, add, compare_set, wait, check, multi_get, multi_set,
-    delete_key, num_keys."""
+    delete_key, num_keys, clone."""
 
     def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta | None = None) -> None:
         super().__init__()  # the pybind trampoline needs its C++ half initialised before anything else
@@ -42,6 +46,10 @@ class EtcdV3Store(dist.Store):
         self._client = client
         self._prefix = prefix if prefix.endswith("/") else prefix + "/"
         self._watch: RoundWatch | None = None
+        self._owns_client = False  # a clone's connection is its own to close; a given client is its giver's
+        # C++ holds only the C++ half of a clone it asked for: the Python half must stay referenced, or every later
+        # call on that clone ends in "Not implemented" (the pybind trampoline finds no Python method)
+        self._clones: list[EtcdV3Store] = []
         if timeout is not None:
             self.set_timeout(timeout)
 
@@ -53,6 +61,27 @@ class EtcdV3Store(dist.Store):
         view = EtcdV3Store(self._client, self._prefix, self._timeout())
         view._watch = watch
         return view
+
+    def clone(self) -> EtcdV3Store:
+        """A new store over the same keys (prefix) with the same timeout, on an etcd connection of its own (the same
+        endpoints, TLS files and credentials): it works on after this store's client is closed, and :meth:`close`
+        closes its connection. Its waits are not bounded by a round watch (the watch reads through this store's
+        client). This store keeps every clone it made referenced, for C++ callers (see ``_clones``): a clone lives at
+        least as long as the store it came from. An etcd that cannot be reached raises DistNetworkError."""
+        try:
+            client = self._client.reconnect()
+        except ElasticdError as exc:
+            raise dist.DistNetworkError(f"etcd store under {self._prefix}: cannot clone: {exc}") from exc
+        twin = EtcdV3Store(client, self._prefix, self._timeout())
+        twin._owns_client = True
+        self._clones.append(twin)
+        return twin
+
+    def close(self) -> None:
+        """Close the etcd connection this store opened (a clone's); a store over a client it was given leaves that
+        client to its owner."""
+        if self._owns_client:
+            self._client.close()
 
     @property
     def prefix(self) -> str:

@@ -1,8 +1,9 @@
-"""EtcdV3Store against a real etcd: every c10d Store method, blocking reads, timeouts, and torch's own users
-(PrefixStore, torch.distributed.elastic.utils.store, RendezvousStoreInfo)."""
+"""EtcdV3Store against a real etcd: every c10d Store method, blocking reads, timeouts, clones, torch's own C++ check
+of a Python store, and torch's own users (PrefixStore, torch.distributed.elastic.utils.store, RendezvousStoreInfo)."""
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
 import time
@@ -187,6 +188,44 @@ def test_works_wrapped_in_torchs_prefix_store(store: EtcdV3Store, etcd_client: E
     with pytest.raises(dist.DistStoreError, match=re.escape("torch.rendezvous.s1.0/nope")):
         wrapped.get("nope")
     assert etcd_client.get(PREFIX + "torch.rendezvous.s1.0/key") is not None
+
+
+def test_torchs_cpp_check_of_a_python_store_passes(store: EtcdV3Store) -> None:
+    # add, set and get through torch's pybind trampoline, then clone(): the clone must read what the original wrote
+    dist._test_python_store(store)
+    assert store.get("key3") == b"15"  # what the check left, read back in Python
+
+
+def test_a_clone_works_on_its_own_connection_after_the_original_is_closed(etcd: EmbeddedEtcd) -> None:
+    client = EtcdClient.connect(parse_endpoints(etcd.endpoint), connect_timeout_s=ETCD_READY_TIMEOUT_S)
+    original = EtcdV3Store(client, PREFIX, timeout=timedelta(seconds=7))
+    twin = original.clone()
+    # a clone C++ asks for: C++ holds only its C++ half, the original keeps the Python half alive
+    from_cpp = dist.PrefixStore("round1", original).clone()  # type: ignore[attr-defined]  # not in torch's stubs
+    gc.collect()
+    original.set("before", b"1")
+    client.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        original.get("before")
+    try:
+        assert twin.get("before") == b"1" and twin.prefix == original.prefix
+        assert twin.timeout == timedelta(seconds=7)  # type: ignore[attr-defined]  # not in torch's stubs
+        twin.set("after", b"2")
+        assert twin.add("n", 3) == 3 and twin.compare_set("after", "2", "3") == b"3"
+        from_cpp.set("key", "value")
+        assert from_cpp.get("key") == b"value" and twin.get("round1/key") == b"value"
+    finally:
+        twin.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        twin.get("after")
+
+
+def test_closing_a_store_leaves_the_client_it_was_given_to_its_owner(
+    store: EtcdV3Store, etcd_client: EtcdClient
+) -> None:
+    store.close()
+    store.set("still", b"open")
+    assert etcd_client.get(PREFIX + "still") is not None
 
 
 def test_store_util_barrier_releases_three_nodes_together(clients: Callable[[], EtcdV3Store]) -> None:

@@ -215,8 +215,8 @@ class NcclGroups(Groups):
             if get_error is not None and get_error() != ErrorType.SUCCESS:
                 return False
             # torch gives the shrunk group a clone of the old group's store, after the communicator was shrunk and
-            # the old group destroyed: a store that cannot clone (a Python store, elasticd's etcd one included)
-            # would fail the shrink past the point of return
+            # the old group destroyed: a store that cannot clone (a Python store without clone(); elasticd's etcd
+            # store clones, on a connection of its own) would fail the shrink past the point of return
             group.get_group_store().clone()  # type: ignore[attr-defined]  # not in torch's stubs
         except Exception:
             return False
