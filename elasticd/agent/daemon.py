@@ -21,27 +21,29 @@ from elasticd.accelerate_env import default_threads, physical_cores, worker_envi
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
-from elasticd.agent.joining import group_nodes, group_to_join
+from elasticd.agent.joining import group_to_join
 from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reaper import Reaper
-from elasticd.agent.registry import NodeRegistry, read_nodes
+from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.spares import EtcdPlanStore, Sizing
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
 from elasticd.board import read_slot
 from elasticd.config import StartConfig
 from elasticd.control import drain_requested
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
+from elasticd.group_record import group_nodes
 from elasticd.keys import RunKeys
 from elasticd.layout import RunLayout, RuntimeLayout, slot_path
 from elasticd.lineage import CheckpointRecord, Lineage
 from elasticd.logging import configure_logging, get_logger
 from elasticd.membership import Membership
 from elasticd.metrics import Metrics, MetricsServer
+from elasticd.node_records import read_nodes
 from elasticd.worker.checkpoints import CheckpointStore
 from elasticd.worker.launch import worker_args
 

@@ -38,9 +38,9 @@ import pyetcd
 import pyetcd.exceptions
 from pyetcd import etcdrpc
 
+from elasticd.endpoints import Endpoint
 from elasticd.errors import ElasticdError, EtcdBinaryMissingError
 from elasticd.etcd.access import EtcdAccess
-from elasticd.etcd.endpoints import Endpoint
 
 _MEMBER_NAME = "elasticd"
 _HEARTBEAT_MS = 25

@@ -15,8 +15,8 @@ from typing import Any
 
 from elasticd import envvars
 from elasticd import options as o
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.access import EtcdAccess
-from elasticd.etcd.endpoints import parse_endpoints
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
