@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from elasticd.board import Phase
-from elasticd.errors import EXIT_REJOIN, ElasticdError
+from elasticd.errors import EXIT_HOT_FALLBACK, EXIT_REJOIN, ElasticdError
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.group_record import group_alive, read_group
 from elasticd.keys import RunKeys
@@ -47,9 +47,6 @@ if TYPE_CHECKING:
     from elasticd.worker.saver import CheckpointSaver
     from elasticd.worker.settings import WorkerSettings
     from elasticd.worker.state import TrainingState
-
-# The exit code of a worker whose hot path gave up: a failure for the agent (it restarts the group cold).
-EXIT_HOT_FALLBACK = 1
 
 
 class RunPort(Protocol):

@@ -1,17 +1,19 @@
 """Each contract is written in one place: environment variable names in elasticd/envvars.py (and the prefix the
-option table derives its names from), option flags in elasticd/options.py. Read from the package's source
-(``tests/source_literals.py``): a string literal anywhere else that is one of them fails here (docstrings are prose
-and are not read)."""
+option table derives its names from), option flags in elasticd/options.py, exit codes in elasticd/errors.py. Read
+from the package's source (``tests/source_literals.py``, and ``ast`` for the exit codes): a string literal anywhere
+else that is one of them, or an ``EXIT_*`` code defined anywhere else, fails here (docstrings are prose and are not
+read)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ast
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from elasticd import options
-from tests.source_literals import literals, package_literals
+from tests.source_literals import PACKAGE, literals, package_literals
 
 
 def _offenders(allowed: set[str], wrong: Callable[[str], bool]) -> list[str]:
@@ -25,9 +27,42 @@ def test_env_var_names_are_written_only_in_envvars_and_the_option_table() -> Non
     assert _offenders({"envvars.py", "options.py"}, is_env_name) == []
 
 
-def test_option_flags_are_written_only_in_the_option_table() -> None:
-    flags = {option.flag for option in options.TABLE}
-    assert _offenders({"options.py"}, flags.__contains__) == []
+def exit_codes(path: Path) -> Iterator[tuple[int, str]]:
+    """(line, name) of each ``EXIT_*`` name bound to an int at module or class level in ``path``
+    (``EXIT_ALLOWANCE_S = 30.0`` is a duration, not a code)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bodies = [tree.body, *(node.body for node in ast.walk(tree) if isinstance(node, ast.ClassDef))]
+    for statement in (s for body in bodies for s in body):
+        if isinstance(statement, ast.Assign):
+            targets, value = statement.targets, statement.value
+        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
+            targets, value = [statement.target], statement.value
+        else:
+            continue
+        if isinstance(value, ast.Constant) and type(value.value) is int:
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id.startswith("EXIT_"):
+                    yield statement.lineno, target.id
+
+
+def test_exit_codes_are_defined_only_in_errors() -> None:
+    elsewhere = [
+        f"elasticd/{path.relative_to(PACKAGE)}:{line}: {name}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "errors.py"
+        for line, name in exit_codes(path)
+    ]
+    assert elsewhere == []
+    workers = {"EXIT_RESIZE", "EXIT_REJOIN", "EXIT_HOT_FALLBACK", "EXIT_ORPHANED"}
+    assert workers <= {name for _, name in exit_codes(PACKAGE / "errors.py")}
+
+
+def test_the_exit_code_reader_sees_int_constants_of_modules_and_classes_only(tmp_path: Path) -> None:
+    path = tmp_path / "m.py"
+    path.write_text(
+        "EXIT_A = 3\nEXIT_WAIT_S = 30.0\nclass C:\n    EXIT_B: int = 5\ndef f():\n    EXIT_C = 1\nEXITS = 2\n"
+    )
+    assert list(exit_codes(path)) == [(1, "EXIT_A"), (4, "EXIT_B")]
 
 
 @pytest.mark.parametrize(
