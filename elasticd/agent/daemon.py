@@ -279,7 +279,7 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
     """
     from torch.distributed.elastic.multiprocessing import SignalException
 
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    os.environ[envvars.TORCHELASTIC_SIGNALS_TO_HANDLE] = "SIGHUP,SIGQUIT"
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if agent.leave_requested or not agent.graceful:
@@ -312,22 +312,23 @@ def _export_worker_env(
     for name, value in _torch_diagnostics_env(cfg, run).items():
         os.environ.setdefault(name, value)  # the user's own settings win
     # a worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr
-    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-    if "OMP_NUM_THREADS" not in os.environ:
+    os.environ.setdefault(envvars.PYTHONFAULTHANDLER, "1")
+    if envvars.OMP_NUM_THREADS not in os.environ:
         cores = physical_cores()
         threads = default_threads(cfg.nproc_per_node, has_gpu=has_gpu, cpu_cores=cores)
         if threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            os.environ[envvars.OMP_NUM_THREADS] = str(threads)
             log.info(
                 "worker_threads",
                 omp_num_threads=threads,
-                message=f"OMP_NUM_THREADS={threads} per worker ({cores} physical cores, {cfg.nproc_per_node} workers);"
-                " set OMP_NUM_THREADS or accelerate's num_cpu_threads_per_process to choose",
+                message=f"{envvars.OMP_NUM_THREADS}={threads} per worker ({cores} physical cores, "
+                f"{cfg.nproc_per_node} workers); set {envvars.OMP_NUM_THREADS} or accelerate's "
+                "num_cpu_threads_per_process to choose",
             )
     if not has_gpu:
         # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
         # worker then trains alone without a word (accelerate's state.py, _prepare_backend).
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        os.environ.setdefault(envvars.ACCELERATE_USE_CPU, "true")
 
 
 def rendezvous_parameters(cfg: StartConfig) -> RendezvousParameters:

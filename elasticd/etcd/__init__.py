@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from elasticd import envvars
+
 # gRPC's C core logs every failed TLS handshake and reconnect at INFO on stderr, glog-style, interleaved with our
 # one-line errors and JSON events; we report those failures ourselves. Set before gRPC loads (users may override).
-os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+os.environ.setdefault(envvars.GRPC_VERBOSITY, "ERROR")

@@ -15,16 +15,65 @@ import pytest
 from elasticd import options
 from tests.source_literals import PACKAGE, literals, package_literals
 
+# How the names of the environment variables elasticd sets or reads begin: its own, torch's and torchrun's,
+# accelerate's, OpenMP's, the collectives' (gloo, NCCL), CUDA's, Python's, gRPC's and etcd's.
+ENV_PREFIXES = (
+    options.ENV_PREFIX,
+    "TORCH_",
+    "TORCHELASTIC_",
+    "MASTER_",
+    "ACCELERATE_",
+    "OMP_",
+    "GLOO_",
+    "NCCL_",
+    "CUDA_",
+    "PYTHON",
+    "GRPC_",
+    "ETCD_",
+)
+# torchrun's names for a worker's place in the job, which share no prefix.
+TORCHRUN_NAMES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "ROLE_WORLD_SIZE",
+    }
+)
+
 
 def _offenders(allowed: set[str], wrong: Callable[[str], bool]) -> list[str]:
     return [str(lit) for lit in package_literals(outside="") if lit.path not in allowed and wrong(lit.text)]
 
 
-def test_env_var_names_are_written_only_in_envvars_and_the_option_table() -> None:
-    def is_env_name(text: str) -> bool:
-        return text.startswith((options.ENV_PREFIX, "TORCH_"))
+def is_env_name(text: str) -> bool:
+    return text.startswith(ENV_PREFIXES) or text in TORCHRUN_NAMES
 
+
+def test_env_var_names_are_written_only_in_envvars_and_the_option_table() -> None:
     assert _offenders({"envvars.py", "options.py"}, is_env_name) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("ELASTICD_SOCKET", True),
+        ("TORCHELASTIC_RESTART_COUNT", True),
+        ("OMP_NUM_THREADS=", True),
+        ("LOCAL_RANK", True),
+        ("NCCL_SOCKET_IFNAME", True),
+        ("LOCAL_MACHINE", False),  # an accelerate setting's value
+        ("rank", False),
+        (" set OMP_NUM_THREADS to choose", False),  # prose that names one, inside a message
+    ],
+)
+def test_what_counts_as_an_env_name(text: str, expected: bool) -> None:
+    assert is_env_name(text) is expected
 
 
 def exit_codes(path: Path) -> Iterator[tuple[int, str]]:
