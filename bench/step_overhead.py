@@ -82,8 +82,8 @@ from bench.common import code_revision, machine, results_path, snapshot_code, ve
 from elasticd import envvars
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.node_lease import NodeLease
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 

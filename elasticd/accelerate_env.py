@@ -22,12 +22,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from elasticd import envvars
 from elasticd import options as o
 from elasticd.errors import ConfigError
 
 KEY = o.ACCELERATE_CONFIG.flag
 # What torch's agent sets for every worker, each round: never from accelerate's file.
-_OWNED = frozenset({"MASTER_ADDR", "MASTER_PORT"})
+_OWNED = frozenset({envvars.MASTER_ADDR, envvars.MASTER_PORT})
 # accelerate's setups that elasticd cannot run: why, in a few words
 _UNSUPPORTED = {
     "XLA": "TPU (XLA) training is launched by accelerate's TPU launcher",
@@ -92,8 +93,8 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
         raise ConfigError(KEY, f"{file}: {_one_line(exc)}") from None
     env = {k: v for k, v in launched.items() if os.environ.get(k) != v and k not in _OWNED}
     overridden = []
-    if not has_gpu and env.get("ACCELERATE_USE_CPU", "").lower() in {"false", "0", "no"}:
-        env["ACCELERATE_USE_CPU"] = "true"  # accelerate would train each worker alone, on a host without GPUs
+    if not has_gpu and env.get(envvars.ACCELERATE_USE_CPU, "").lower() in {"false", "0", "no"}:
+        env[envvars.ACCELERATE_USE_CPU] = "true"  # accelerate would train each worker alone, on a host without GPUs
         overridden.append(f"{kind} (use_cpu false): this host has no GPU, the workers train on the CPU")
     if config.num_machines not in (1, max_nodes):
         overridden.append(f"num_machines {config.num_machines}: --min-nodes/--max-nodes decide (up to {max_nodes})")

@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 from elasticd import options as o
 from elasticd.accelerate_env import precheck
+from elasticd.endpoints import Endpoint, format_endpoints
 from elasticd.errors import ConfigError
 from elasticd.etcd.access import EtcdAccess, access_from_options
-from elasticd.etcd.endpoints import Endpoint, format_endpoints
 
 OnNan = Literal["skip", "rollback", "stop"]
 Recovery = Literal["hot", "cold"]

@@ -8,10 +8,10 @@ import socket
 import time
 from collections.abc import Sequence
 
+from elasticd.endpoints import Endpoint
 from elasticd.errors import EXIT_OK
 from elasticd.etcd.access import EtcdAccess
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import Endpoint
 from elasticd.keys import RunKeys
 
 DRAIN = "drain"

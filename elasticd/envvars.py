@@ -3,9 +3,11 @@
 Two kinds. A start option marked ``worker`` in the option table (``options.py``) reaches the workers under its own
 ``ELASTICD_<NAME>`` (``--checkpoint-dir``: ``ELASTICD_CHECKPOINT_DIR``); its name is derived there and repeated here
 only as an alias for readers. The rest are below: what the daemon tells its workers that is no option, test-only
-fault injection, and the torch variables elasticd sets. ``tests/unit/test_envvars.py`` fails on an ``ELASTICD_`` or
-``TORCH_`` string literal anywhere else in the package. A script started without a daemon sees none of them and the
-worker library becomes a no-op.
+fault injection, the variables of torch, torchrun, accelerate, OpenMP, Python, gRPC and etcd that elasticd sets or
+reads. ``tests/unit/test_one_place.py`` fails on a string literal that starts like one of these names (``ELASTICD_``,
+``TORCH_``, ``TORCHELASTIC_``, ``MASTER_``, ``OMP_``, ``ACCELERATE_``, ``GLOO_``, ``NCCL_``, ..., or is one of
+torchrun's rank names) anywhere else in the package. A script started without a daemon sees none of elasticd's own
+and the worker library becomes a no-op.
 """
 
 from __future__ import annotations
@@ -67,3 +69,34 @@ TORCH_FR_DUMP_TEMP_FILE = "TORCH_FR_DUMP_TEMP_FILE"
 TORCH_NCCL_DUMP_ON_TIMEOUT = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 TORCH_NCCL_ENABLE_MONITORING = "TORCH_NCCL_ENABLE_MONITORING"
 TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+
+# --- torchrun's: what torch's agent gives every worker, and what it reads itself ---------------------------------
+# A worker's global and local rank, and the workers of its node (the worker library reads them before accelerate
+# is up: beats name their rank, settings the node's worker count).
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+# How many times the agent restarted this worker group: a test fault with restart=N fires in that generation only.
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+# The signals torch's agent turns into an immediate stop; the daemon leaves SIGTERM and SIGINT out of it, for a
+# graceful leave (agent/daemon.py).
+TORCHELASTIC_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+# The round's store address, set by torch's agent for every worker each round: never taken from accelerate's config
+# file (accelerate_env.py).
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+
+# --- the workers' runtime, set by the daemon unless the user did -------------------------------------------------
+# accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU (accelerate's state.py).
+ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
+# OpenMP's threads per worker: the daemon divides the physical cores among its workers (accelerate_env.py).
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+# A worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr.
+PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
+
+# --- the etcd side ---------------------------------------------------------------------------------------------------
+# gRPC's C core log level: it logs every failed TLS handshake and reconnect at INFO on stderr (etcd/__init__.py).
+GRPC_VERBOSITY = "GRPC_VERBOSITY"
+# etcd reads every variable with this prefix as one of its flags (ETCD_ENABLE_V2=true would turn v2 on): the
+# embedded server is started without them (etcd/server.py).
+ETCD_FLAG_PREFIX = "ETCD_"

@@ -1,4 +1,5 @@
-"""The exception hierarchy: what can go wrong, as values that carry data.
+"""The exception hierarchy: what can go wrong, as values that carry data; and every exit code, the one place they
+are written (``tests/unit/test_one_place.py`` fails on an ``EXIT_*`` code defined anywhere else).
 
 A :class:`UsageError` is the user's mistake (bad flag, unreadable script, unreachable etcd): the CLI prints its
 message on one line and exits 2, never a traceback. Everything else is a fault the daemon reports and acts on.
@@ -8,12 +9,27 @@ from __future__ import annotations
 
 import errno
 
+# --- the daemon's and the commands' (a contract, ../shared/DESIGN.md §3: the Kubernetes Job's podFailurePolicy maps
+# 2 to FailJob) -----------------------------------------------------------------------------------------------------
 EXIT_OK = 0
 EXIT_GAVE_UP = 1
 EXIT_USAGE = 2
-# A worker's exit code that tells its daemon to bring the node in through the rendezvous: it waited to join a group
-# training in place that stopped doing so (elasticd/agent/joining.py). A membership change, not a failure.
+
+# --- a worker's, read by its daemon ---------------------------------------------------------------------------------
+# The worker's world does not split the global batch while another node count of the range would
+# (worker/batching.py; raised by worker/run.py after its batch_plan beat): its daemon records the constraint and
+# re-forms the round with spares (agent/spares.py). Not 1 (a Python exception) nor 2 (argparse, and elasticd's usage
+# errors), which a script produces for its own reasons.
+EXIT_RESIZE = 3
+# The worker waited to join a group training in place that stopped doing so (worker/hot_path.py): its daemon brings
+# the node in through the rendezvous (agent/controller.py, agent/joining.py). A membership change, not a failure.
 EXIT_REJOIN = 4
+# The worker's hot path gave up (worker/hot_path.py): torch's agent sees a failed worker, and the daemon restarts the
+# group cold from the newest committed checkpoint (restart reason ``failure``).
+EXIT_HOT_FALLBACK = 1
+# The worker launcher found its daemon already gone (worker/launch.py): nobody reads it (the daemon is dead) but the
+# launcher's own test (tests/integration/test_orphans.py).
+EXIT_ORPHANED = 1
 
 
 class ElasticdError(Exception):

@@ -94,7 +94,7 @@ class RunKeys:
         return f"{self.prefix}membership/notice/{group}/{epoch:012d}"
 
     def membership_member(self, member: str) -> str:
-        """Where a worker of the hot path answers liveness probes, and its node (JSON, worker/hot/liveness.py)."""
+        """Where a worker of the hot path answers liveness probes, and its node (JSON, liveness_probe.py)."""
         return f"{self.prefix}membership/members/{member}"
 
     @property

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import ConfigError
 from elasticd.keys import validate_node_id, validate_run_id
 from elasticd.option_values import AUTO, parse_hang_timeout, parse_nproc, parse_number, parse_rdzv_conf
@@ -133,9 +134,7 @@ def _node_id(value: str) -> str | None:
 
 
 def _endpoints(text: Any) -> Any:
-    from elasticd.etcd.endpoints import parse_endpoints  # (it names this table's --etcd in its errors)
-
-    return parse_endpoints(str(text)) if text else ()
+    return parse_endpoints(str(text), key=ETCD.flag) if text else ()
 
 
 def _optional_path(value: Any) -> Path | None:

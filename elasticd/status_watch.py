@@ -1,7 +1,7 @@
 """``elasticd status --watch``: the run as a live terminal view, redrawn every second until Ctrl-C.
 
-Each frame is ``status.collect_status`` (the node registry and ``checkpoint/latest``, two etcd reads) drawn with
-rich: the run's health, round and membership epoch, world size, step and step rate, loss, goodput and the newest
+Each frame is a snapshot (``status_snapshot.py``: the node registry and ``checkpoint/latest``, two etcd reads) drawn
+with rich: the run's health, round and membership epoch, world size, step and step rate, loss, goodput and the newest
 checkpoint with its age; one row per node; and the latest restarts and re-formations with their reason (each
 daemon keeps its last few in its record, ``NodeRegistry.note``), plus the nodes whose record vanished while
 watching. The step rate is measured here, over the frames of the last :data:`RATE_WINDOW_S` seconds.
@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from elasticd.errors import EXIT_OK
-from elasticd.status import dash
+from elasticd.status_snapshot import dash
 
 REFRESH_S = 1.0
 RATE_WINDOW_S = 10.0

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import structlog
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from tests.helpers import ETCD_READY_TIMEOUT_S
 

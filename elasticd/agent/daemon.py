@@ -21,27 +21,29 @@ from elasticd.accelerate_env import default_threads, physical_cores, worker_envi
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
-from elasticd.agent.joining import group_nodes, group_to_join
+from elasticd.agent.joining import group_to_join
 from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reaper import Reaper
-from elasticd.agent.registry import NodeRegistry, read_nodes
+from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.spares import EtcdPlanStore, Sizing
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.agent.watchdog import AUTO_CAP_S, Watchdog
 from elasticd.board import read_slot
 from elasticd.config import StartConfig
 from elasticd.control import drain_requested
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
+from elasticd.group_record import group_nodes
 from elasticd.keys import RunKeys
 from elasticd.layout import RunLayout, RuntimeLayout, slot_path
 from elasticd.lineage import CheckpointRecord, Lineage
 from elasticd.logging import configure_logging, get_logger
 from elasticd.membership import Membership
 from elasticd.metrics import Metrics, MetricsServer
+from elasticd.node_records import read_nodes
 from elasticd.worker.checkpoints import CheckpointStore
 from elasticd.worker.launch import worker_args
 
@@ -277,7 +279,7 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
     """
     from torch.distributed.elastic.multiprocessing import SignalException
 
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
+    os.environ[envvars.TORCHELASTIC_SIGNALS_TO_HANDLE] = "SIGHUP,SIGQUIT"
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if agent.leave_requested or not agent.graceful:
@@ -310,22 +312,23 @@ def _export_worker_env(
     for name, value in _torch_diagnostics_env(cfg, run).items():
         os.environ.setdefault(name, value)  # the user's own settings win
     # a worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr
-    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-    if "OMP_NUM_THREADS" not in os.environ:
+    os.environ.setdefault(envvars.PYTHONFAULTHANDLER, "1")
+    if envvars.OMP_NUM_THREADS not in os.environ:
         cores = physical_cores()
         threads = default_threads(cfg.nproc_per_node, has_gpu=has_gpu, cpu_cores=cores)
         if threads is not None:
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            os.environ[envvars.OMP_NUM_THREADS] = str(threads)
             log.info(
                 "worker_threads",
                 omp_num_threads=threads,
-                message=f"OMP_NUM_THREADS={threads} per worker ({cores} physical cores, {cfg.nproc_per_node} workers);"
-                " set OMP_NUM_THREADS or accelerate's num_cpu_threads_per_process to choose",
+                message=f"{envvars.OMP_NUM_THREADS}={threads} per worker ({cores} physical cores, "
+                f"{cfg.nproc_per_node} workers); set {envvars.OMP_NUM_THREADS} or accelerate's "
+                "num_cpu_threads_per_process to choose",
             )
     if not has_gpu:
         # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
         # worker then trains alone without a word (accelerate's state.py, _prepare_backend).
-        os.environ.setdefault("ACCELERATE_USE_CPU", "true")
+        os.environ.setdefault(envvars.ACCELERATE_USE_CPU, "true")
 
 
 def rendezvous_parameters(cfg: StartConfig) -> RendezvousParameters:

@@ -3,10 +3,11 @@
 A node entering torch's rendezvous while a round trains makes every running agent restart its workers (torch counts
 it among the nodes waiting): the whole group stops, checkpoints, and restarts cold, 10-12 s here. With
 ``--recovery hot`` the running group publishes itself (``membership/group``, by its rank 0 worker), and a new node
-that finds it live joins it instead (:func:`group_to_join`):
+that finds it live (``elasticd/group_record.py`` reads the record and probes the group) joins it instead
+(:func:`group_to_join`):
 
-- its agent takes a *private round* (:func:`private_round`): a rendezvous of this node alone, with no etcd state, so
-  the running agents see no waiting node; torch's agent starts this node's workers in a world of their own;
+- its agent takes a *private round* (``rendezvous/handler.py``): a rendezvous of this node alone, with no etcd state,
+  so the running agents see no waiting node; torch's agent starts this node's workers in a world of their own;
 - the workers learn the round to join (``ELASTICD_JOIN_ROUND``), import and prepare, then ask the group to admit them
   and heal from a live peer (``elasticd/worker/hot_path.py``): the running workers never restart;
 - until admitted, the node holds no fencing token (its workers cannot commit); the epoch that admits them moves the
@@ -22,24 +23,12 @@ the agent's restart finds the group live and its new workers join it; and a node
 
 from __future__ import annotations
 
-import json
 import secrets
-from dataclasses import dataclass
-from typing import Any
 
-from elasticd.agent.registry import read_nodes
 from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.group_record import GroupToJoin, group_alive, read_group
 from elasticd.keys import RunKeys
-from elasticd.membership import Epoch
-
-
-@dataclass(frozen=True, slots=True)
-class GroupToJoin:
-    """A group that trains in place, as its rank 0 published it."""
-
-    name: str  # the group's name (its round's first fencing token)
-    round: int
-    nodes: tuple[str, ...]
+from elasticd.node_records import read_nodes
 
 
 def group_to_join(
@@ -65,61 +54,7 @@ def group_to_join(
     return group
 
 
-def read_group(client: EtcdClient, keys: RunKeys) -> GroupToJoin | None:
-    """The group that trains in place now, as its rank 0 last published it (None: none, or not a record this version
-    wrote)."""
-    found = client.get(keys.membership_group)
-    if found is None:
-        return None
-    try:
-        record = json.loads(found[0])
-        return GroupToJoin(str(record["group"]), int(record["round"]), tuple(str(n) for n in record["nodes"]))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def group_nodes(client: EtcdClient, keys: RunKeys) -> list[str] | None:
-    """The nodes of the group that trains in place now (None: no such group)."""
-    group = read_group(client, keys)
-    return None if group is None else list(group.nodes)
-
-
-def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:
-    """Does ``group`` (of ``round_``) still train in place? Its round holds the run's fencing token, and a worker of
-    its current epoch accepts a connection on its liveness port (a worker that exited refuses at once)."""
-    from elasticd.worker.hot.liveness import Probe, probe  # not at the top: the package loads torch
-
-    token = client.get(keys.lineage_token)
-    if token is None or _round_of(token[0]) != str(round_):
-        return False  # the run restarted cold since (or etcd lost its data)
-    found = client.get(keys.membership_epoch)
-    epoch = Epoch.decode(found[0]) if found is not None else None
-    records = {key.rsplit("/", 1)[-1]: raw for key, raw, _ in client.get_prefix(f"{keys.membership_prefix}members/")}
-    if epoch is not None and _round_of(epoch.token.encode()) == str(round_):
-        members = list(epoch.members)
-    else:
-        members = [name for name in records if name.startswith(f"{group}.")]
-    for member in members:
-        raw = records.get(member)
-        if raw is not None and probe(str(json.loads(raw)["addr"])) is Probe.ACCEPTED:
-            return True
-    return False
-
-
-def _round_of(token: bytes) -> str:
-    return token.decode(errors="replace").split(".", 1)[0]
-
-
 def join_name(node_id: str) -> str:
     """The name this node's workers go by until admitted, also their fencing token then (it never fences anything
     in: the run's token is a round's or an epoch's, ``<round>.<...>``)."""
     return f"join-{node_id}-{secrets.token_hex(4)}"
-
-
-def private_round(local_addr: str | None) -> Any:
-    """torch's ``RendezvousInfo`` of a round of this node alone: an in-memory store, rank 0 of 1, a free port."""
-    import torch.distributed as dist
-    from torch.distributed.elastic.rendezvous.api import RendezvousInfo, RendezvousStoreInfo
-
-    store = dist.HashStore()
-    return RendezvousInfo(store, 0, 1, RendezvousStoreInfo.build(0, store, local_addr))

@@ -221,16 +221,3 @@ class Holder:
         _, first, then = self._first_ttl
         refreshed = ttl >= first + 1 - (now - then - _LATENCY_MARGIN_S)
         return HolderState.ALIVE if refreshed else HolderState.UNKNOWN
-
-
-def read_nodes(client: EtcdClient, keys: RunKeys) -> list[dict[str, Any]]:
-    """Every live node record of the run, sorted by node id; malformed records are skipped."""
-    nodes = []
-    for _key, value, _rev in client.get_prefix(keys.nodes_prefix):
-        try:
-            record = json.loads(value)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            nodes.append(record)
-    return sorted(nodes, key=lambda r: str(r.get("node_id")))

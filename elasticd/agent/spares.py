@@ -9,7 +9,7 @@ on one answer even while the record is being written. Agents whose group rank is
 A spare steps in at the next membership change: a node waiting to join, or a member gone from the round.
 
 Before anything is recorded (the very first round), workers whose world does not fit exit with
-:data:`~elasticd.worker.batching.EXIT_RESIZE` after their beat; their daemon records the constraint and re-forms the
+:data:`~elasticd.errors.EXIT_RESIZE` after their beat; their daemon records the constraint and re-forms the
 round, a membership restart that does not count against ``--max-restarts``. A global batch that fits no node count of
 the range stays a usage error: the workers report it as fatal, every node exits 2.
 """
@@ -25,11 +25,12 @@ from typing import Any, Protocol
 
 from elasticd.agent.policy import GroupState
 from elasticd.agent.registry import NodeRegistry
+from elasticd.errors import EXIT_RESIZE
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.messages import Kind, kind_of
 from elasticd.metrics import Metrics
-from elasticd.worker.batching import EXIT_RESIZE, BatchConstraint, spare_warning
+from elasticd.worker.batching import BatchConstraint, spare_warning
 
 # The round's decision, in the round's store (torch prefixes it with the run and round).
 TRAINING_NODES_KEY = "elasticd/training_nodes"

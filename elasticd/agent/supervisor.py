@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from elasticd import envvars
 from elasticd.agent.controller import Controller, NodeState, group_state
 from elasticd.agent.hangs import HangHandler
-from elasticd.agent.joining import GroupToJoin, join_name
+from elasticd.agent.joining import join_name
 from elasticd.agent.policy import Decision, GroupState, HangReport, SupervisorPolicy
 from elasticd.agent.progress import ProgressTracker
 from elasticd.agent.reconfig import Reconfigurations
@@ -35,6 +35,7 @@ from elasticd.agent.spares import Sizing
 from elasticd.agent.stragglers import StragglerDetector
 from elasticd.board import Phase
 from elasticd.etcd.client import EtcdError
+from elasticd.group_record import GroupToJoin
 from elasticd.lineage import CheckpointRecord, Lineage, TokenWriteError
 from elasticd.logging import get_logger
 from elasticd.membership import Membership

@@ -27,9 +27,9 @@ import pyetcd.utils
 import tenacity
 
 from elasticd import options as o
+from elasticd.endpoints import Endpoint, format_endpoints
 from elasticd.envvars import ETCD_PASSWORD
 from elasticd.errors import ConfigError, ElasticdError, EtcdAccessError, EtcdUnavailableError
-from elasticd.etcd.endpoints import Endpoint, format_endpoints
 
 T = TypeVar("T")
 ErrorHook = Callable[[Exception], None]

@@ -38,9 +38,10 @@ import pyetcd
 import pyetcd.exceptions
 from pyetcd import etcdrpc
 
+from elasticd import envvars
+from elasticd.endpoints import Endpoint
 from elasticd.errors import ElasticdError, EtcdBinaryMissingError
 from elasticd.etcd.access import EtcdAccess
-from elasticd.etcd.endpoints import Endpoint
 
 _MEMBER_NAME = "elasticd"
 _HEARTBEAT_MS = 25
@@ -281,7 +282,7 @@ class EmbeddedEtcd:
         log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._log_file = open(self.log_path, "ab")  # noqa: SIM115  (closed in _terminate)
         # etcd reads every ETCD_* variable as a flag (ETCD_ENABLE_V2=true would turn v2 on): start it clean.
-        env = {name: value for name, value in os.environ.items() if not name.startswith("ETCD_")}
+        env = {name: value for name, value in os.environ.items() if not name.startswith(envvars.ETCD_FLAG_PREFIX)}
         self._process = subprocess.Popen(
             self._command(binary, f"unix://{_BOOTSTRAP_SOCKET}" if bootstrap else None),
             stdin=subprocess.DEVNULL,

@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousHandlerCreator,
     RendezvousInfo,
     RendezvousParameters,
+    RendezvousStoreInfo,
     rendezvous_handler_registry,
 )
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
@@ -31,9 +32,9 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 
 from elasticd import envvars
 from elasticd import options as o
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys, validate_run_id
 from elasticd.logging import get_logger
 from elasticd.rendezvous import faults, wakeup
@@ -123,11 +124,9 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         """See base class. Each round publishes a fresh MASTER_ADDR/MASTER_PORT picked by its rank 0."""
         if self._private_round is not None:
-            from elasticd.agent.joining import private_round
-
             self._completed_round, self._private_round = self._private_round, None
             self._round_watch = None  # no round of the rendezvous forms here: none of its members can be lost
-            return private_round(self._this_node.addr)
+            return _private_round(self._this_node.addr)
         # torch reads this inside next_rendezvous. Sharing round 1's TCPStore with the workers breaks recovery
         # when the node hosting it dies: every later round points at the dead host (pytorch issue #135712).
         os.environ[envvars.TORCH_DISABLE_SHARED_STORE] = "1"
@@ -246,6 +245,12 @@ class _LeaveOp:
         else:
             return _Action.FINISH
         return _Action.ERROR_TIMEOUT if time.monotonic() > deadline else action
+
+
+def _private_round(local_addr: str | None) -> RendezvousInfo:
+    """torch's ``RendezvousInfo`` of a round of this node alone: an in-memory store, rank 0 of 1, a free port."""
+    store = dist.HashStore()
+    return RendezvousInfo(store, 0, 1, RendezvousStoreInfo.build(0, store, local_addr))
 
 
 def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
 from elasticd.errors import ElasticdError
 
 # Seconds between two looks at the rendezvous state while a forming round waits. A dead member is taken out of
@@ -23,8 +25,8 @@ CHECK_INTERVAL_S = 1.0
 
 # What a forming round waits for, by the store key it waits on (torch's and ours), in the order they happen.
 _PHASES = (
-    ("MASTER_ADDR", "store_address"),
-    ("MASTER_PORT", "store_address"),
+    (RendezvousStoreInfo.MASTER_ADDR_KEY, "store_address"),
+    (RendezvousStoreInfo.MASTER_PORT_KEY, "store_address"),
     ("torchelastic/role_info/", "rank_assignment"),
     ("torchelastic/assigned_ranks/", "rank_assignment"),
     ("elasticd/training_nodes", "rank_assignment"),  # agent/spares.py: how many nodes train, before torch's ranks

@@ -20,10 +20,6 @@ from elasticd.errors import ConfigError
 
 # A suggested global batch larger than this many times the one asked for is no use as advice (lcm(1..n) explodes).
 _MAX_SUGGESTION_FACTOR = 16
-# A worker whose world does not split the global batch, while another node count of the range would, exits with this
-# code after its ``batch_plan`` beat: its daemon records the constraint and re-forms the round with spares. Not 1 (a
-# Python exception) nor 2 (argparse, and elasticd's usage errors), which a script produces for its own reasons.
-EXIT_RESIZE = 3
 # How many global batches that fit every node count of the range the spare warning names.
 _EVERY_COUNT_SUGGESTIONS = 3
 

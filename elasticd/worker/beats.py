@@ -34,8 +34,8 @@ class BeatClient:
     def from_env(cls) -> BeatClient:
         return cls(
             os.environ.get(envvars.SOCKET) or None,
-            rank=int(os.environ.get("RANK", "0")),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            rank=int(os.environ.get(envvars.RANK, "0")),
+            local_rank=int(os.environ.get(envvars.LOCAL_RANK, "0")),
         )
 
     @property

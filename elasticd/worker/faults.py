@@ -68,7 +68,7 @@ class FaultInjector:
     def from_env(cls, rank: int) -> FaultInjector:
         text = os.environ.get(envvars.FAULT, "")
         round_ = int(os.environ.get(envvars.ROUND, "-1"))
-        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1"))
+        restart = int(os.environ.get(envvars.TORCHELASTIC_RESTART_COUNT, "-1"))
         mine = [
             f
             for f in parse_faults(text)

@@ -18,15 +18,15 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from elasticd.agent.joining import group_alive, read_group
-from elasticd.agent.registry import read_nodes
 from elasticd.board import Phase
-from elasticd.errors import EXIT_REJOIN, ElasticdError
+from elasticd.errors import EXIT_HOT_FALLBACK, EXIT_REJOIN, ElasticdError
 from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.group_record import group_alive, read_group
 from elasticd.keys import RunKeys
 from elasticd.messages import Kind
+from elasticd.node_records import read_nodes
 from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.session import (
@@ -40,10 +40,53 @@ from elasticd.worker.hot.session import (
 )
 
 if TYPE_CHECKING:
-    from elasticd.worker.run import Run
+    from elasticd.board import SlotWriter
+    from elasticd.worker.batching import BatchPlan
+    from elasticd.worker.beats import BeatClient
+    from elasticd.worker.coordination import Coordinator
+    from elasticd.worker.saver import CheckpointSaver
+    from elasticd.worker.settings import WorkerSettings
+    from elasticd.worker.state import TrainingState
 
-# The exit code of a worker whose hot path gave up: a failure for the agent (it restarts the group cold).
-EXIT_HOT_FALLBACK = 1
+
+class RunPort(Protocol):
+    """What the hot path uses of the run it serves (``worker/run.py``'s ``Run``): its settings, place and state, its
+    channels to the daemon, and :meth:`regrouped` to go on at a new size. The hot path depends on this, not on
+    ``Run``: the run imports the hot path, never the reverse."""
+
+    @property
+    def settings(self) -> WorkerSettings: ...
+    @property
+    def accelerator(self) -> Any: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def state(self) -> TrainingState: ...
+    @property
+    def log(self) -> Any: ...
+    @property
+    def slot(self) -> SlotWriter: ...
+    @property
+    def beats(self) -> BeatClient: ...
+    @property
+    def coordinator(self) -> Coordinator: ...
+    @property
+    def saver(self) -> CheckpointSaver: ...
+
+    def plan_for(self, world_size: int) -> BatchPlan | None: ...
+
+    def regrouped(
+        self,
+        rank: int,
+        world_size: int,
+        state: TrainingState,
+        plan: BatchPlan | None,
+        token: str,
+        *,
+        planned: bool = False,
+    ) -> None: ...
 
 
 class JoinerNotNeeded(ElasticdError):
@@ -51,13 +94,13 @@ class JoinerNotNeeded(ElasticdError):
 
 
 class HotPath:
-    def __init__(self, run: Run, session: HotSession) -> None:
+    def __init__(self, run: RunPort, session: HotSession) -> None:
         self.run = run
         self.session = session
         self._report: dict[str, Any] | None = None  # the recovery to report at the first step after it
 
     @classmethod
-    def arm(cls, run: Run, model: Any, optimizer: Any, scheduler: Any) -> HotPath | None:
+    def arm(cls, run: RunPort, model: Any, optimizer: Any, scheduler: Any) -> HotPath | None:
         s = run.settings
         if s.recovery != "hot" or not (s.etcd and s.fence_token and s.node_id):
             return None  # cold by choice, or no daemon
@@ -147,7 +190,7 @@ class HotPath:
         self._adopt(recovered, planned=True)
 
     @staticmethod
-    def _unsupported(run: Run, why: str) -> None:
+    def _unsupported(run: RunPort, why: str) -> None:
         run.log.warning("hot_recovery_unsupported", reason=why, fallback="cold restarts from checkpoints")
         run.beats.send(Kind.HOT_FALLBACK, reason="unsupported", message=why)
         if run.settings.join_round is not None:

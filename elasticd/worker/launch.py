@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from elasticd import envvars
+from elasticd.errors import EXIT_ORPHANED, EXIT_USAGE
 from elasticd.parentdeath import parent_is, set_parent_death_signal
 
 MODULE = "elasticd.worker.launch"
-# Exit code of a launcher whose daemon was already gone: nobody reads it, the daemon is dead.
-EXIT_ORPHANED = 1
 
 
 def worker_args(script: str, script_args: Sequence[str]) -> tuple[str, ...]:
@@ -33,7 +32,7 @@ def worker_args(script: str, script_args: Sequence[str]) -> tuple[str, ...]:
 def main(argv: Sequence[str]) -> NoReturn:
     if not argv:
         sys.stderr.write(f"usage: python -m {MODULE} SCRIPT [ARGS]...\n")
-        sys.exit(2)
+        sys.exit(EXIT_USAGE)
     daemon_pid = int(os.environ.get(envvars.DAEMON_PID) or 0)
     if set_parent_death_signal(signal.SIGKILL) and daemon_pid and not parent_is(daemon_pid):
         sys.stderr.write(f"elasticd: daemon (pid {daemon_pid}) is gone; not starting {argv[0]}\n")

@@ -35,11 +35,11 @@ import torch
 from accelerate.utils import broadcast_object_list
 
 from elasticd.board import NullSlotWriter, Phase, SlotWriter
-from elasticd.errors import EXIT_USAGE, ConfigError
+from elasticd.errors import EXIT_RESIZE, EXIT_USAGE, ConfigError
 from elasticd.layout import slot_path
 from elasticd.logging import configure_logging, get_logger
 from elasticd.messages import Capability, FatalReason, Kind
-from elasticd.worker.batching import EXIT_RESIZE, BatchConstraint, BatchPlan, BatchPlanError, plan_batches
+from elasticd.worker.batching import BatchConstraint, BatchPlan, BatchPlanError, plan_batches
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
 from elasticd.worker.coordination import Coordinator

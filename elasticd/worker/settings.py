@@ -15,8 +15,8 @@ from typing import Any
 
 from elasticd import envvars
 from elasticd import options as o
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.access import EtcdAccess
-from elasticd.etcd.endpoints import parse_endpoints
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,7 +73,7 @@ class WorkerSettings:
             fence_token=e.get(envvars.FENCE_TOKEN) or None,
             socket=e.get(envvars.SOCKET) or None,
             board=e.get(envvars.BOARD) or None,
-            local_rank=int(number("LOCAL_RANK", "0")),
-            nproc_per_node=int(number("LOCAL_WORLD_SIZE", "1")),
+            local_rank=int(number(envvars.LOCAL_RANK, "0")),
+            nproc_per_node=int(number(envvars.LOCAL_WORLD_SIZE, "1")),
             join_round=int(e[envvars.JOIN_ROUND]) if e.get(envvars.JOIN_ROUND) else None,
         )

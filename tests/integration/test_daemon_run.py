@@ -189,9 +189,9 @@ def test_sigterm_leaves_after_a_checkpoint_and_the_others_go_on_losing_no_step(
 
 
 def test_elasticd_etcd_serves_the_v3_api_until_sigterm(tmp_path: Path) -> None:
+    from elasticd.endpoints import parse_endpoints
     from elasticd.etcd.access import resolve_access
     from elasticd.etcd.client import EtcdClient
-    from elasticd.etcd.endpoints import parse_endpoints
     from elasticd.etcd.server import free_port
 
     port = free_port()

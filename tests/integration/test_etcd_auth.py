@@ -18,10 +18,10 @@ import psutil
 import pyetcd
 import pytest
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EtcdAccessError
 from elasticd.etcd.access import resolve_access
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import PASSWORD_FILE, EmbeddedEtcd, EtcdServerError, free_port
 from tests.helpers import ETCD_READY_TIMEOUT_S
 from tests.integration.cluster import EXAMPLE, read_json_lines, train_args, wait_until

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import find_etcd_binary
 from elasticd.keys import RunKeys
 from elasticd.lineage import Lineage

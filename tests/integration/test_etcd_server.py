@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EtcdBinaryMissingError, EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd, EtcdServerError, find_etcd_binary
 from tests.helpers import ETCD_READY_TIMEOUT_S, free_port
 

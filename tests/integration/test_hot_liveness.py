@@ -14,7 +14,7 @@ import pytest
 from elasticd.agent.node_lease import NodeLease
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
-from elasticd.worker.hot.liveness import Probe, ProbeListener, probe
+from elasticd.liveness_probe import Probe, ProbeListener, probe
 from elasticd.worker.hot.watch import FailureWatch
 from tests.integration.cluster import wait_until
 
@@ -24,7 +24,7 @@ KEYS = RunKeys("liveness")
 
 _LISTENER = """
 import sys, time
-from elasticd.worker.hot.liveness import ProbeListener
+from elasticd.liveness_probe import ProbeListener
 listener = ProbeListener("127.0.0.1")
 print(listener.port, flush=True)
 time.sleep(120)

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from elasticd.agent.joining import GroupToJoin, group_alive, group_nodes, group_to_join
+from elasticd.agent.joining import group_to_join
 from elasticd.etcd.client import EtcdClient
+from elasticd.group_record import GroupToJoin, group_alive, group_nodes
 from elasticd.keys import RunKeys
-from elasticd.worker.hot.liveness import ProbeListener
+from elasticd.liveness_probe import ProbeListener
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

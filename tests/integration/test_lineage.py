@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage, new_token, writer_id

@@ -30,7 +30,7 @@ CLAIMER = """
 import sys, time
 from elasticd.agent.registry import NodeRegistry
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
+from elasticd.endpoints import parse_endpoints
 from elasticd.keys import RunKeys
 client = EtcdClient.connect(parse_endpoints(sys.argv[1]), connect_timeout_s=30)
 registry = NodeRegistry(client, RunKeys(sys.argv[2]), sys.argv[3])

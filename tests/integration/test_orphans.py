@@ -17,8 +17,9 @@ import pytest
 
 from elasticd import envvars
 from elasticd.agent.reaper import Reaper
+from elasticd.errors import EXIT_ORPHANED
 from elasticd.etcd.server import EmbeddedEtcd
-from elasticd.worker.launch import EXIT_ORPHANED, worker_args
+from elasticd.worker.launch import worker_args
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

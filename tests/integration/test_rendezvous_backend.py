@@ -11,8 +11,8 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousStateError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import Token
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.rendezvous.backend import DEFAULT_TTL_S, EtcdV3RendezvousBackend

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
 from torch.distributed.elastic.utils import store as store_util
 
+from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
-from elasticd.etcd.endpoints import parse_endpoints
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.rendezvous.store import EtcdV3Store

@@ -9,7 +9,7 @@ import pytest
 
 from elasticd.cli import main
 from elasticd.config import StartConfig
-from elasticd.etcd.endpoints import Endpoint, format_endpoints
+from elasticd.endpoints import Endpoint, format_endpoints
 
 
 @pytest.fixture

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from elasticd.endpoints import DEFAULT_PORT, Endpoint, format_endpoints, parse_endpoints
 from elasticd.errors import ConfigError, UsageError
-from elasticd.etcd.endpoints import DEFAULT_PORT, Endpoint, format_endpoints, parse_endpoints
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,10 @@ from torch.distributed import DistStoreError, HashStore
 from elasticd.agent import spares
 from elasticd.agent.policy import GroupState
 from elasticd.agent.spares import Sizing
+from elasticd.errors import EXIT_RESIZE
 from elasticd.etcd.client import EtcdError
 from elasticd.metrics import Metrics
-from elasticd.worker.batching import EXIT_RESIZE, BatchConstraint
+from elasticd.worker.batching import BatchConstraint
 
 FITS_2_AND_4 = BatchConstraint(global_batch_size=16, micro_batch_size=4, nproc_per_node=1)
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from rich.console import Console
 
-from elasticd.status import _health, _render, _run_health, summarize
+from elasticd.status import _render
+from elasticd.status_snapshot import _health, _run_health, summarize
 
 
 def nodes(*states: str) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from elasticd.status import summarize
+from elasticd.status_snapshot import summarize
 from elasticd.status_watch import Watch, run_watch, view
 
 

@@ -39,6 +39,7 @@ from accelerate.utils import broadcast_object_list
 
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
+from elasticd.liveness_probe import Probe, ProbeListener, probe
 from elasticd.membership import BelowMinimum, Bid, Epoch, Membership
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.worker.batching import BatchPlan, BatchPlanError
@@ -46,7 +47,6 @@ from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
 from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
-from elasticd.worker.hot.liveness import Probe, ProbeListener, probe
 from elasticd.worker.hot.reform import Reformer
 from elasticd.worker.hot.step_guard import FailedStepGuard
 from elasticd.worker.hot.watch import FailureWatch

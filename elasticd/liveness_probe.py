@@ -11,6 +11,9 @@ After a failure, the survivors probe every member that has not bid for the next 
 
 So a member counts as dead when its port refuses or its node's lease is gone, and never on a timer shorter than a
 step (``../shared/HOT-RECOVERY.md``: a short grace once excluded a live survivor whose steps took seconds).
+
+Both sides of the probe live here, below the worker library (whose hot path listens and probes) and the daemon
+(whose joining node probes a group before it joins, ``group_record.py``); plain sockets, no torch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,9 @@
 
 This module owns the accepted spellings of an endpoint: ``host``, ``host:port``, ``http://host:port`` (or
 ``https://``, the scheme is only tolerated: TLS is chosen by the certificate options) and bracketed IPv6
-(``[::1]:2379``). A user mistake raises :class:`~elasticd.errors.ConfigError` naming the bad part.
+(``[::1]:2379``). A user mistake raises :class:`~elasticd.errors.ConfigError` naming the option it came from (the
+caller's ``key``) and the bad part. Text only, no etcd: it sits below the option table, which parses ``--etcd`` with
+it, and below the etcd client, which formats its endpoints with it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from elasticd import options as o
 from elasticd.errors import ConfigError
 
 DEFAULT_PORT = 2379  # etcd's IANA-registered client port
@@ -44,10 +45,12 @@ def format_endpoints(endpoints: tuple[Endpoint, ...] | list[Endpoint]) -> str:
     return ",".join(str(endpoint) for endpoint in endpoints)
 
 
-def parse_endpoints(text: str, *, key: str = o.ETCD.flag) -> tuple[Endpoint, ...]:
+def parse_endpoints(text: str, *, key: str = "etcd endpoints") -> tuple[Endpoint, ...]:
     """Parse a comma-separated endpoint list; duplicates are dropped, order is kept.
 
-    Raises ConfigError(key, ...) naming the first malformed entry and the expected form.
+    Raises ConfigError(key, ...) naming the first malformed entry and the expected form. A user's text names the
+    option it came from as ``key`` (``--etcd``, ``ELASTICD_ETCD``, ``--rdzv-endpoint``); the default is for text no
+    user wrote (an embedded etcd's own endpoint).
     """
     if not text or not text.strip():
         raise ConfigError(key, f"no etcd endpoint given; {_EXPECTED}")
