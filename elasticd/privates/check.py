@@ -1,10 +1,11 @@
 """Running the tables' checks at start, and applying their fallbacks.
 
 - ``elasticd start`` (:func:`check_daemon`, once torch is loaded and before the agent and the rendezvous handler are
-  imported): every entry is checked, since the workers run in the daemon's environment. One ``private_surfaces``
-  event says what was checked and what moved; a moved ``refuse_to_start`` entry stops the daemon with exit 2 and one
-  line. The other fallbacks are applied where the name is used: the rendezvous wake-up (``wakeup.install``), the hot
-  path at arm (:func:`require`), the worker's saves and flight recorder (:func:`check_worker`).
+  imported): every entry is checked, since the workers run in the daemon's environment. One event says what was
+  checked (``private_surfaces_checked``) or what moved and the fallbacks (``private_surfaces_moved``); a moved
+  ``refuse_to_start`` entry stops the daemon with exit 2 and one line. The other fallbacks are applied where the
+  name is used: the rendezvous wake-up (``wakeup.install``), the hot path at arm (:func:`require`), the worker's
+  saves and flight recorder (:func:`check_worker`).
 - the worker library's ``attach`` (:func:`check_worker`): the entries a worker uses, but the hot path's, which its
   arm checks for the backend it runs on.
 """
@@ -93,13 +94,13 @@ def require(backend: str, error: Callable[[str], Exception]) -> None:
 
 
 def check_daemon(log: Any) -> list[Moved]:
-    """``elasticd start``'s check: log one ``private_surfaces`` event; raise :class:`SurfacesMoved` when a
+    """``elasticd start``'s check: log one event (checked, or moved); raise :class:`SurfacesMoved` when a
     ``refuse_to_start`` entry moved. Returns what moved with a fallback the daemon or its workers apply."""
     return _report(log, problems(), "daemon", len(SURFACES))
 
 
 def check_worker(log: Any) -> frozenset[Fallback]:
-    """``attach``'s check: log a ``private_surfaces`` event when something moved; raise :class:`SurfacesMoved` when
+    """``attach``'s check: log ``private_surfaces_moved`` when something moved; raise :class:`SurfacesMoved` when
     a ``refuse_to_start`` entry moved. Returns the fallbacks the worker applies (the hot path's is its arm's)."""
     mine = [s for s in SURFACES if s.process is Process.WORKER and s.fallback is not Fallback.COLD_RECOVERY]
     moved = problems(mine)
@@ -109,14 +110,15 @@ def check_worker(log: Any) -> frozenset[Fallback]:
 
 
 def _report(log: Any, moved: list[Moved], process: str, checked: int) -> list[Moved]:
-    fallbacks = sorted({m.surface.fallback for m in moved})
-    event = log.error if Fallback.REFUSE_TO_START in fallbacks else log.warning if moved else log.info
-    event(
-        "private_surfaces",
+    if not moved:
+        log.info("private_surfaces_checked", process=process, checked=checked, versions=versions_line())
+        return moved
+    log.warning(
+        "private_surfaces_moved",
         process=process,
         checked=checked,
         moved=[str(m) for m in moved],
-        fallbacks=[str(f) for f in fallbacks],
+        fallbacks=sorted({str(m.surface.fallback) for m in moved}),
         versions=versions_line(),
     )
     refused = [m for m in moved if m.surface.fallback is Fallback.REFUSE_TO_START]

@@ -114,8 +114,8 @@ def test_the_daemon_refuses_to_start_on_a_moved_agent_private_with_one_line_and_
     assert "\n" not in message
     assert "SimpleElasticAgent._exit_barrier: missing" in message
     assert f"checked with torch {CHECKED_WITH['torch']}.x" in message
-    event = next(e for e in logs if e["event"] == "private_surfaces")
-    assert event["log_level"] == "error" and event["fallbacks"] == ["refuse_to_start"]
+    event = next(e for e in logs if e["event"] == "private_surfaces_moved")
+    assert event["process"] == "daemon" and event["fallbacks"] == ["refuse_to_start"]
 
 
 def test_the_daemon_starts_on_a_moved_hot_path_private_and_says_its_workers_recover_cold(
@@ -125,7 +125,7 @@ def test_the_daemon_starts_on_a_moved_hot_path_private_and_says_its_workers_reco
     with structlog.testing.capture_logs() as logs:
         moved = check_daemon(structlog.get_logger())
     assert [m.surface.fallback for m in moved] == [Fallback.COLD_RECOVERY]
-    event = next(e for e in logs if e["event"] == "private_surfaces")
+    event = next(e for e in logs if e["event"] == "private_surfaces_moved")
     assert event["log_level"] == "warning" and event["fallbacks"] == ["cold_recovery"]
     assert event["checked"] == len(SURFACES)
 
@@ -133,7 +133,7 @@ def test_the_daemon_starts_on_a_moved_hot_path_private_and_says_its_workers_reco
 def test_the_daemon_logs_one_event_when_nothing_moved() -> None:
     with structlog.testing.capture_logs() as logs:
         assert check_daemon(structlog.get_logger()) == []
-    assert [(e["event"], e["log_level"], e["moved"]) for e in logs] == [("private_surfaces", "info", [])]
+    assert [(e["event"], e["checked"]) for e in logs] == [("private_surfaces_checked", len(SURFACES))]
 
 
 def test_a_worker_blocks_its_saves_when_what_asynchronous_saves_copy_moved(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +142,7 @@ def test_a_worker_blocks_its_saves_when_what_asynchronous_saves_copy_moved(monke
     monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None: None)
     with structlog.testing.capture_logs() as logs:
         assert check_worker(structlog.get_logger()) == {Fallback.BLOCKING_SAVES}
-    assert any(e["event"] == "private_surfaces" and e["process"] == "worker" for e in logs)
+    assert any(e["event"] == "private_surfaces_moved" and e["process"] == "worker" for e in logs)
 
 
 def test_a_worker_refuses_to_attach_when_the_guard_s_overflow_flag_moved(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -180,3 +180,18 @@ def test_pyproject_pins_torch_and_accelerate_to_the_releases_the_tables_were_che
         assert pins[name].contains(f"{checked}.0") and pins[name].contains(f"{checked}.9"), (name, pins[name])
         assert not pins[name].contains(f"{major}.{minor + 1}.0"), f"{name} {pins[name]} admits an unchecked release"
         assert not pins[name].contains(f"{major}.{minor - 1}.0"), f"{name} {pins[name]} admits an unchecked release"
+
+
+def test_attach_under_moved_saver_privates_gives_a_run_whose_saves_block(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from accelerate import Accelerator
+
+    from elasticd.worker.run import attach
+    from elasticd.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(checkpoint_dir=tmp_path)
+    accelerator = Accelerator(cpu=True)
+    assert attach(accelerator, settings).settings.asynchronous
+    monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None: None)
+    assert not attach(accelerator, settings).settings.asynchronous
