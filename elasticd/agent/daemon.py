@@ -102,6 +102,9 @@ def run_daemon(cfg: StartConfig) -> int:
         from torch.distributed.elastic.agent.server.api import WorkerSpec
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 
+        from elasticd.privates.check import check_daemon
+
+        check_daemon(log)  # before the modules that import torch's privates: a moved one refuses to start, exit 2
         from elasticd.agent.liveness import RoundLiveness, read_view
         from elasticd.agent.supervisor import ElasticdAgent
         from elasticd.rendezvous.handler import create_handler

@@ -10,57 +10,51 @@ costing half a second on the median and up to a whole one: ~2 s of a node loss's
 the state key changes in etcd (a watch from the revision that thread last read, so no write is missed) or when the
 next time-based event of the state is due (a member's keep-alive expiring, the last-call deadline, our own
 keep-alive), and never later than torch's second. The next read then bypasses the holder's cache. Other threads,
-and torch's own handlers in the same process, keep torch's sleep. What it relies on in torch is checked by
-:func:`surface_problems` (and the canary test); when it moved, :func:`install` leaves torch as it is.
+and torch's own handlers in the same process, keep torch's sleep. What it relies on in torch is listed in
+``elasticd/privates/torch_surfaces.py``; when any of the daemon's entries moved, :func:`install` leaves torch as it is
+(the ``torch_timing`` fallback).
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousSettings,
     _BackendRendezvousStateHolder,
-    _DistributedRendezvousOpExecutor,
     _NodeDesc,
     _RendezvousState,
 )
 
 from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.privates.check import problems
+from elasticd.privates.surface import Process
+from elasticd.privates.torch_surfaces import TORCH
 
 # Seconds past a due time at which to re-read: torch compares with ``<`` / ``<=`` against ``datetime.now()``.
 DUE_MARGIN_S = 0.01
 
-_torch_delay = dynamic_rendezvous._delay
+# read with getattr: a torch without it gets torch's timing (install() refuses), not an ImportError
+_torch_delay: Callable[..., None] | None = getattr(dynamic_rendezvous, "_delay", None)
 _active = threading.local()
 _install_lock = threading.Lock()
 
 
 def surface_problems() -> list[str]:
-    """What moved in torch among the private parts this module relies on (empty: all as expected)."""
-    found: list[str] = []
-    delay = getattr(dynamic_rendezvous, "_delay", None)
-    if not callable(delay) or "seconds" not in inspect.signature(delay).parameters:
-        found.append("torch.distributed.elastic.rendezvous.dynamic_rendezvous._delay(seconds): missing")
-    if "_delay(seconds=1)" not in _source(_DistributedRendezvousOpExecutor.run):
-        found.append("_DistributedRendezvousOpExecutor.run: no longer waits with _delay(seconds=1)")
-    if "self._last_sync_time" not in _source(_BackendRendezvousStateHolder.sync):
-        found.append("_BackendRendezvousStateHolder.sync: no longer caches by _last_sync_time")
-    return found
+    """What moved among torch's private names the daemon relies on, this module's included (empty: none)."""
+    return [str(moved) for moved in problems(TORCH, process=Process.DAEMON)]
 
 
 def install() -> bool:
     """Route torch's rendezvous waits through :func:`_delay` (idempotent). False, and torch untouched, when the
     parts it relies on moved (see :func:`surface_problems`)."""
     with _install_lock:
-        if dynamic_rendezvous._delay is _delay:
+        if getattr(dynamic_rendezvous, "_delay", None) is _delay:
             return True
         if surface_problems():
             return False
@@ -72,6 +66,7 @@ def _delay(seconds: float | tuple[float, float]) -> None:
     """torch's ``_delay``; a whole-second poll in a thread with an active :class:`StateWakeup` waits on it."""
     wakeup: StateWakeup | None = getattr(_active, "wakeup", None)
     if wakeup is None or isinstance(seconds, tuple):
+        assert _torch_delay is not None  # install() replaced it: it was there
         _torch_delay(seconds=seconds)
         return
     wakeup.wait(float(seconds))
@@ -152,10 +147,3 @@ class StateWakeup:
         if not ahead:
             return None
         return (min(ahead) - now) / timedelta(seconds=1) + DUE_MARGIN_S
-
-
-def _source(function: Any) -> str:
-    try:
-        return inspect.getsource(function)
-    except (OSError, TypeError):
-        return ""

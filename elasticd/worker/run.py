@@ -39,6 +39,8 @@ from elasticd.errors import EXIT_RESIZE, EXIT_USAGE, ConfigError
 from elasticd.layout import slot_path
 from elasticd.logging import configure_logging, get_logger
 from elasticd.messages import Capability, FatalReason, Kind
+from elasticd.privates.check import check_worker
+from elasticd.privates.surface import Fallback
 from elasticd.worker.batching import BatchConstraint, BatchPlan, BatchPlanError, plan_batches
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
@@ -579,8 +581,14 @@ _END = object()
 
 
 def attach(accelerator: Any, settings: WorkerSettings | None = None) -> Run:
-    """Join the elastic run this process belongs to (or act locally when no daemon started it)."""
-    return Run(accelerator, settings)
+    """Join the elastic run this process belongs to (or act locally when no daemon started it).
+
+    Raises :class:`~elasticd.privates.check.SurfacesMoved` when a private torch/accelerate name the worker cannot do
+    without moved; saves block when the ones asynchronous saves copy from moved (``elasticd/privates/``)."""
+    run = Run(accelerator, settings)
+    if Fallback.BLOCKING_SAVES in check_worker(run.log):
+        run.settings = replace(run.settings, asynchronous=False)
+    return run
 
 
 def _poison(batch: Any) -> Any:

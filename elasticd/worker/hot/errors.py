@@ -40,4 +40,4 @@ class HealError(HotRecoveryError):
 
 
 class SurfaceChanged(HotRecoveryError):
-    """A private torch or accelerate attribute the hot path relies on is missing or changed (see ``canary.py``)."""
+    """A private torch or accelerate name the hot path relies on is missing or changed (``elasticd/privates/``)."""

@@ -40,11 +40,11 @@ import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState, PartialState
 
+from elasticd.privates.check import require
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.hot.backend import AbandonedGroups, Groups, groups_for
-from elasticd.worker.hot.canary import require_surfaces
 from elasticd.worker.hot.comm_hook import GroupHolder
-from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
+from elasticd.worker.hot.errors import ReformError, SurfaceChanged, UnsupportedSetup
 
 # The timeout of each group we form. It bounds how long a formation waits for a member that never comes, and how
 # long a collective abandoned by the hook holds one of gloo's threads (and keeps its group alive here): minutes, not
@@ -84,7 +84,7 @@ class Reformer:
             groups = groups_for(
                 dist.group.WORLD if dist.is_initialized() else None, timeout=timeout, environ=environ, clock=clock
             )
-        require_surfaces(groups.name)
+        require(groups.name, SurfaceChanged)
         if accelerator.distributed_type not in groups.distributed_types:
             raise UnsupportedSetup(
                 f"accelerate's {accelerator.distributed_type}",

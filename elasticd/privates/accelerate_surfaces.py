@@ -1,0 +1,90 @@
+"""Every private accelerate name elasticd uses, with what it is for, its check and its fallback (read with 1.15).
+
+Three users: the asynchronous checkpoint saver (``worker/saver.py`` snapshots what ``save_state`` would save, from
+the ``Accelerator``'s registries), the non-finite guard (``worker/guard.py`` and the hot path's step guard skip the
+scheduler through the optimizer's overflow flag), and the hot path (``worker/hot/reform.py``: the process count in
+accelerate's shared state). The daemon builds the workers' environment with accelerate's own launch code.
+"""
+
+from __future__ import annotations
+
+from elasticd.privates.surface import Fallback, Process, Surface, callable_with, every, has, mentions
+
+_ACC = "accelerate.accelerator:Accelerator"
+_STATE = "accelerate.state"
+_OPTIMIZER = "accelerate.optimizer:AcceleratedOptimizer"
+_SAVER = ("elasticd.worker.saver",)
+
+
+def _registry(attribute: str, use: str) -> Surface:
+    """One of the Accelerator's registries that save_state saves from (read by save_state, so still an attribute)."""
+    return Surface(
+        f"accelerate.Accelerator.{attribute}",
+        _SAVER,
+        use,
+        mentions(f"{_ACC}.save_state", f"self.{attribute}"),
+        Fallback.BLOCKING_SAVES,
+        Process.WORKER,
+    )
+
+
+def _shared_state(cls: str) -> Surface:
+    owner = f"{_STATE}:{cls}"
+    return Surface(
+        f"accelerate.state.{cls}._shared_state",
+        ("elasticd.worker.hot.reform",),
+        f"num_processes and process_index of the new group ({cls}'s copy)",
+        # instances are views of the class-level dict: num_processes and process_index live in it
+        every(has(owner, "_shared_state"), mentions(f"{owner}.__init__", "self.__dict__ = self._shared_state")),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    )
+
+
+ACCELERATE: tuple[Surface, ...] = (
+    _registry("_models", "the prepared models whose state an asynchronous save copies, and its pre-hooks' argument"),
+    _registry("_optimizers", "the prepared optimizers an asynchronous save copies"),
+    _registry("_schedulers", "the prepared schedulers an asynchronous save copies"),
+    _registry("_dataloaders", "the prepared loaders whose position an asynchronous save copies"),
+    _registry("_custom_objects", "objects registered with register_for_checkpointing, copied by an asynchronous save"),
+    _registry("_save_model_state_pre_hook", "the hooks save_state runs before saving, run by an asynchronous save"),
+    Surface(
+        "accelerate.optimizer.AcceleratedOptimizer._is_overflow",
+        ("elasticd.worker.guard", "elasticd.worker.hot.step_guard"),
+        "a skipped optimizer step (non-finite, or a failed step) skips the scheduler's too",
+        every(
+            mentions(f"{_OPTIMIZER}.__init__", "self._is_overflow"),
+            mentions(f"{_OPTIMIZER}.step_was_skipped.fget", "self._is_overflow"),
+            mentions("accelerate.scheduler:AcceleratedScheduler.step", "step_was_skipped"),
+        ),
+        Fallback.REFUSE_TO_START,
+        Process.WORKER,
+    ),
+    _shared_state("PartialState"),
+    _shared_state("AcceleratorState"),
+    Surface(
+        "accelerate.Accelerator.step",
+        ("elasticd.worker.hot.reform",),
+        "the micro-batch counter that decides when to sync (read by _do_sync), restarted at a new world size",
+        mentions(f"{_ACC}._do_sync", "self.step"),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
+    Surface(
+        "accelerate.state.PartialState.use_distributed",
+        ("elasticd.worker.hot.reform",),
+        "a GPU joiner's world of one shows more processes so that prepare() wraps DDP (expect_world)",
+        mentions(f"{_STATE}:PartialState.use_distributed.fget", "self.num_processes > 1"),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+        backend="nccl",
+    ),
+    Surface(
+        "accelerate.commands.launch._validate_launch_command",
+        ("elasticd.accelerate_env",),
+        "accelerate's own checks and defaults of a launch, so the workers get what accelerate launch would give",
+        callable_with("accelerate.commands.launch:_validate_launch_command", "args"),
+        Fallback.REFUSE_TO_START,
+        Process.DAEMON,
+    ),
+)

@@ -1,0 +1,197 @@
+"""The tables of private torch/accelerate names (``elasticd/privates/``): every check holds on the installed releases,
+and a name that moved is named with the releases checked and meets its fallback.
+
+When the first test fails after an upgrade, the message names each name that moved and what elasticd uses it for:
+re-read that part of torch/accelerate, adapt the user (the table's ``used_by``), and update CHECKED_WITH.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import structlog
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from accelerate.optimizer import AcceleratedOptimizer
+from packaging.requirements import Requirement
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.nn.parallel import DistributedDataParallel
+
+from elasticd.errors import EXIT_USAGE
+from elasticd.privates.accelerate_surfaces import ACCELERATE
+from elasticd.privates.check import (
+    SURFACES,
+    SurfacesMoved,
+    check_daemon,
+    check_worker,
+    problems,
+    require,
+    versions_line,
+)
+from elasticd.privates.surface import CHECKED_WITH, Fallback, Process
+from elasticd.privates.torch_surfaces import TORCH
+from elasticd.rendezvous import wakeup
+from elasticd.worker.hot.errors import SurfaceChanged
+
+
+def _names(moved: list[Any]) -> list[str]:
+    return [m.surface.name for m in moved]
+
+
+def test_every_private_name_in_the_tables_is_present_and_unchanged_in_the_installed_releases() -> None:
+    found = problems()
+    assert not found, f"private names moved ({versions_line()}):\n" + "\n".join(map(str, found))
+
+
+def test_each_table_holds_its_own_package_s_names_once() -> None:
+    assert all(s.name.startswith("torch.") for s in TORCH)
+    assert all(s.name.startswith("accelerate.") for s in ACCELERATE)
+    names = [s.name for s in SURFACES]
+    assert len(names) == len(set(names))
+    assert set(CHECKED_WITH) == {"torch", "accelerate"}
+
+
+def test_a_missing_attribute_is_named_with_the_releases_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(DistributedDataParallel, "_update_process_group")
+    with pytest.raises(SurfaceChanged) as error:
+        require("gloo", SurfaceChanged)
+    message = str(error.value)
+    assert "torch.nn.parallel.DistributedDataParallel._update_process_group: missing" in message
+    assert f"checked with torch {CHECKED_WITH['torch']}.x, accelerate {CHECKED_WITH['accelerate']}.x" in message
+
+
+def test_a_changed_signature_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    def _update_process_group(self: object, new_process_group: object, reason: str) -> None: ...
+
+    monkeypatch.setattr(DistributedDataParallel, "_update_process_group", _update_process_group)
+    assert any("_update_process_group: parameters" in str(p) for p in problems())
+
+
+def test_a_reducer_without_the_rebuild_methods_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "Reducer", type("Reducer", (), {}))
+    found = [str(m) for m in problems()]
+    assert any(p.startswith("torch.distributed.Reducer._rebuild_buckets: missing") for p in found)
+    assert any(p.startswith("torch.distributed.Reducer._push_all_rebuilt_params: missing") for p in found)
+
+
+def test_an_overflow_flag_accelerate_no_longer_reads_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(AcceleratedOptimizer, "step_was_skipped", property(lambda self: False))
+    assert _names(problems()) == ["accelerate.optimizer.AcceleratedOptimizer._is_overflow"]
+
+
+def test_the_nccl_path_s_names_are_listed_and_belong_to_it() -> None:
+    nccl = {s.name.rsplit(".", 1)[-1] for s in SURFACES if s.backend == "nccl"}
+    assert {"_abort_process_group", "SHRINK_ABORT", "_get_backend", "use_distributed", "ErrorType"} <= nccl
+
+
+def test_a_moved_nccl_name_stops_the_nccl_hot_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(c10d, "_abort_process_group")
+    assert _names(problems()) == ["torch.distributed.distributed_c10d._abort_process_group"]
+    require("gloo", SurfaceChanged)
+    with pytest.raises(SurfaceChanged, match="_abort_process_group"):
+        require("nccl", SurfaceChanged)
+
+
+def test_a_changed_shrink_group_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    def shrink_group(ranks_to_exclude: list[int], group: object = None) -> None: ...
+
+    monkeypatch.setattr(dist, "shrink_group", shrink_group)
+    assert any(str(p).startswith("torch.distributed.distributed_c10d.SHRINK_ABORT: parameters") for p in problems())
+
+
+def test_the_daemon_refuses_to_start_on_a_moved_agent_private_with_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(SimpleElasticAgent, "_exit_barrier")
+    with structlog.testing.capture_logs() as logs, pytest.raises(SurfacesMoved) as error:
+        check_daemon(structlog.get_logger())
+    message = str(error.value)
+    assert error.value.exit_code == EXIT_USAGE
+    assert "\n" not in message
+    assert "SimpleElasticAgent._exit_barrier: missing" in message
+    assert f"checked with torch {CHECKED_WITH['torch']}.x" in message
+    event = next(e for e in logs if e["event"] == "private_surfaces_moved")
+    assert event["process"] == "daemon" and event["fallbacks"] == ["refuse_to_start"]
+
+
+def test_the_daemon_starts_on_a_moved_hot_path_private_and_says_its_workers_recover_cold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(DistributedDataParallel, "_update_process_group")
+    with structlog.testing.capture_logs() as logs:
+        moved = check_daemon(structlog.get_logger())
+    assert [m.surface.fallback for m in moved] == [Fallback.COLD_RECOVERY]
+    event = next(e for e in logs if e["event"] == "private_surfaces_moved")
+    assert event["log_level"] == "warning" and event["fallbacks"] == ["cold_recovery"]
+    assert event["checked"] == len(SURFACES)
+
+
+def test_the_daemon_logs_one_event_when_nothing_moved() -> None:
+    with structlog.testing.capture_logs() as logs:
+        assert check_daemon(structlog.get_logger()) == []
+    assert [(e["event"], e["checked"]) for e in logs] == [("private_surfaces_checked", len(SURFACES))]
+
+
+def test_a_worker_blocks_its_saves_when_what_asynchronous_saves_copy_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate import Accelerator
+
+    monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None: None)
+    with structlog.testing.capture_logs() as logs:
+        assert check_worker(structlog.get_logger()) == {Fallback.BLOCKING_SAVES}
+    assert any(e["event"] == "private_surfaces_moved" and e["process"] == "worker" for e in logs)
+
+
+def test_a_worker_refuses_to_attach_when_the_guard_s_overflow_flag_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(AcceleratedOptimizer, "step_was_skipped", property(lambda self: False))
+    with pytest.raises(SurfacesMoved, match=r"AcceleratedOptimizer\._is_overflow"):
+        check_worker(structlog.get_logger())
+
+
+def test_a_worker_checks_nothing_of_the_daemon_s_and_leaves_the_hot_path_s_to_its_arm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(SimpleElasticAgent, "_exit_barrier")
+    monkeypatch.delattr(DistributedDataParallel, "_update_process_group")
+    assert check_worker(structlog.get_logger()) == frozenset()
+
+
+def test_the_rendezvous_keeps_torch_s_timing_when_its_delay_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", lambda secs: None)
+    assert any("_delay: parameters" in p for p in wakeup.surface_problems())
+    assert wakeup.install() is False
+    assert dynamic_rendezvous._delay is not wakeup._delay
+
+
+def test_every_entry_says_who_uses_it_and_what_for() -> None:
+    for surface in SURFACES:
+        assert surface.used_by and all(m.startswith("elasticd.") for m in surface.used_by), surface.name
+        assert surface.use and isinstance(surface.process, Process), surface.name
+
+
+def test_pyproject_pins_torch_and_accelerate_to_the_releases_the_tables_were_checked_with() -> None:
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    pins = {r.name: r.specifier for r in map(Requirement, project["dependencies"])}
+    for name, checked in CHECKED_WITH.items():
+        major, minor = (int(part) for part in checked.split("."))
+        assert pins[name].contains(f"{checked}.0") and pins[name].contains(f"{checked}.9"), (name, pins[name])
+        assert not pins[name].contains(f"{major}.{minor + 1}.0"), f"{name} {pins[name]} admits an unchecked release"
+        assert not pins[name].contains(f"{major}.{minor - 1}.0"), f"{name} {pins[name]} admits an unchecked release"
+
+
+def test_attach_under_moved_saver_privates_gives_a_run_whose_saves_block(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from accelerate import Accelerator
+
+    from elasticd.worker.run import attach
+    from elasticd.worker.settings import WorkerSettings
+
+    settings = WorkerSettings(checkpoint_dir=tmp_path)
+    accelerator = Accelerator(cpu=True)
+    assert attach(accelerator, settings).settings.asynchronous
+    monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None: None)
+    assert not attach(accelerator, settings).settings.asynchronous
