@@ -11,8 +11,9 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable
 from contextlib import ExitStack
+from functools import partial
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
-from elasticd.group_record import group_nodes
+from elasticd.group_record import GroupToJoin, group_nodes
 from elasticd.keys import RunKeys
 from elasticd.layout import RunLayout, RuntimeLayout, slot_path
 from elasticd.lineage import CheckpointRecord, Lineage
@@ -108,29 +109,12 @@ def run_daemon(cfg: StartConfig) -> int:
         from elasticd.agent.liveness import RoundLiveness, read_view
         from elasticd.agent.supervisor import ElasticdAgent
         from elasticd.rendezvous.handler import create_handler
-        from elasticd.rendezvous.reset import clear_finished_run
 
-        alone = not [n for n in read_nodes(client, keys) if n.get("node_id") != cfg.node_id]
-        if alone and (removed := clear_finished_run(client, keys)):
-            log.info("previous_run_cleared", removed=removed)
-
-        has_gpu = _has_gpu()
-        accelerate = worker_environment(
-            cfg.accelerate_config, nproc_per_node=cfg.nproc_per_node, max_nodes=cfg.max_nodes, has_gpu=has_gpu
-        )
-        if accelerate.path is not None:
-            log.info("accelerate_config", path=str(accelerate.path), env=dict(accelerate.env))
-        for line in accelerate.overridden:
-            log.info("accelerate_setting_overridden", setting=line)
-
+        _clear_previous_run(client, keys, cfg.node_id, log)
         runtime = RuntimeLayout.create()
         stack.callback(shutil.rmtree, runtime.dir, ignore_errors=True)
         board_dir = runtime.board
-        _export_worker_env(cfg, runtime, run_layout, accelerate.env, has_gpu, log)
-        if cfg.recovery == "hot":
-            from elasticd.worker.hot.backend import worker_env
-
-            os.environ.update(worker_env(os.environ))  # NCCL: raise and keep the process on a communicator error
+        _export_worker_env(cfg, runtime, run_layout, log)
 
         handler = create_handler(rendezvous_parameters(cfg))
         spec = WorkerSpec(
@@ -184,17 +168,7 @@ def run_daemon(cfg: StartConfig) -> int:
             ),
             membership=Membership(client, keys),
             join_finder=(
-                (
-                    lambda: group_to_join(
-                        client,
-                        keys,
-                        cfg.node_id,
-                        max_nodes=cfg.max_nodes,
-                        nodes_waiting=handler.num_nodes_waiting(),
-                    )
-                )
-                if cfg.recovery == "hot"
-                else None
+                partial(_group_to_join, client, keys, cfg, handler.num_nodes_waiting) if cfg.recovery == "hot" else None
             ),
             announce_leaving=lease.announce_leaving if lease is not None else None,
             group_nodes=lambda: group_nodes(client, keys),
@@ -220,21 +194,23 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 
+    from elasticd.agent.controller import NodeState
+
     logger = agent.log
     try:
-        result = agent.run()
+        outcome = agent.run()
     except SignalException as exc:
         # The agent already stopped the workers. Leave the round without closing it: the others go on.
         handler.leave()
         logger.warning("stopped_by_signal", signal=exc.sigval.name)
         return 128 + int(exc.sigval)
     except RendezvousClosedError:
-        if agent.run_was_drained():
+        if agent.run_view.drain_requested():
             # `elasticd stop` closed the run while this node was between rounds (it took the drain's checkpoint,
             # asked for by a peer, for a membership change): the run ended as asked, nothing failed here.
             logger.info("drained_between_rounds")
             return EXIT_OK
-        if agent.joined_in_place:
+        if agent.round_state.joined_in_place:
             # this node came to join a group training in place, and the run finished before it was admitted
             logger.info("finished_while_joining")
             return EXIT_OK
@@ -247,17 +223,32 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
         handler.leave()
         logger.error("gave_up", message=f"rendezvous failed: {type(exc).__name__}: {exc}")
         return EXIT_GAVE_UP
-    if result.is_failed():
-        handler.leave()
-        code = agent.exit_code or EXIT_GAVE_UP
-        logger.error("exit", code=code, message=agent.stop_message or "workers failed")
-        return code
-    if agent.left:
-        handler.leave()  # this node alone leaves: the others go on in a new round
+    if outcome.leaves:
+        handler.leave()  # this node alone leaves (gave up, or SIGTERM): the others go on in a new round
     else:
         handler.shutdown()  # finished or drained: the run is over for every node, so close the rendezvous
-    logger.info("exit", code=EXIT_OK, drained=agent.drained, left=agent.left)
+    if outcome.node_state is NodeState.FAILED:
+        logger.error("exit", code=outcome.exit_code, message=outcome.message)
+        return outcome.exit_code
+    drained = outcome.node_state is NodeState.DRAINING
+    logger.info("exit", code=EXIT_OK, drained=drained, left=outcome.leaves)
     return EXIT_OK
+
+
+def _clear_previous_run(client: EtcdClient, keys: RunKeys, node_id: str, log: Any) -> None:
+    """Clear what a finished run of the same id left in etcd, only when no other node of it is alive."""
+    from elasticd.rendezvous.reset import clear_finished_run
+
+    alone = not [n for n in read_nodes(client, keys) if n.get("node_id") != node_id]
+    if alone and (removed := clear_finished_run(client, keys)):
+        log.info("previous_run_cleared", removed=removed)
+
+
+def _group_to_join(
+    client: EtcdClient, keys: RunKeys, cfg: StartConfig, nodes_waiting: Callable[[], int]
+) -> GroupToJoin | None:
+    """Hot recovery: the group training in place that this node's next round joins, if any."""
+    return group_to_join(client, keys, cfg.node_id, max_nodes=cfg.max_nodes, nodes_waiting=nodes_waiting())
 
 
 def _adopt_from_disk(cfg: StartConfig, log: Any) -> CheckpointRecord | None:
@@ -283,27 +274,29 @@ def _install_leave_signals(agent: ElasticdAgent) -> None:
     from torch.distributed.elastic.multiprocessing import SignalException
 
     os.environ[envvars.TORCHELASTIC_SIGNALS_TO_HANDLE] = "SIGHUP,SIGQUIT"
+    signals = agent.signals
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
-        if agent.leave_requested or not agent.graceful:
+        if signals.leave_requested or not signals.graceful:
             raise SignalException(f"elasticd got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
-        agent.leave_requested = True
+        signals.leave_requested = True
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
 
-def _export_worker_env(
-    cfg: StartConfig,
-    runtime: RuntimeLayout,
-    run: RunLayout,
-    accelerate: Mapping[str, str],
-    has_gpu: bool,
-    log: Any,
-) -> None:
+def _export_worker_env(cfg: StartConfig, runtime: RuntimeLayout, run: RunLayout, log: Any) -> None:
     """Workers inherit the daemon's environment (torch copies ``os.environ``); this is what they learn from us,
-    and from accelerate's config file (``accelerate``: what ``accelerate launch`` would set)."""
-    os.environ.update(accelerate)
+    and from accelerate's config file (what ``accelerate launch`` would set)."""
+    has_gpu = _has_gpu()
+    accelerate = worker_environment(
+        cfg.accelerate_config, nproc_per_node=cfg.nproc_per_node, max_nodes=cfg.max_nodes, has_gpu=has_gpu
+    )
+    if accelerate.path is not None:
+        log.info("accelerate_config", path=str(accelerate.path), env=dict(accelerate.env))
+    for line in accelerate.overridden:
+        log.info("accelerate_setting_overridden", setting=line)
+    os.environ.update(accelerate.env)
     os.environ.update(cfg.worker_env())
     os.environ.update(
         {
@@ -332,6 +325,10 @@ def _export_worker_env(
         # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU, and each
         # worker then trains alone without a word (accelerate's state.py, _prepare_backend).
         os.environ.setdefault(envvars.ACCELERATE_USE_CPU, "true")
+    if cfg.recovery == "hot":
+        from elasticd.worker.hot.backend import worker_env
+
+        os.environ.update(worker_env(os.environ))  # NCCL: raise and keep the process on a communicator error
 
 
 def rendezvous_parameters(cfg: StartConfig) -> RendezvousParameters:

@@ -91,14 +91,6 @@ class HangHandler:
         self._log = log
         self._clock = clock
         self._local_last = (-1, 0)  # (step, hangs in a row there) when etcd cannot count them
-        self.epoch = 0  # the membership epoch the local workers train in (hot recovery; 0 otherwise)
-        # the group re-formed in place since its round began: the rendezvous no longer says who is in it (members
-        # come from the epoch, liveness from the registry alone, and "evicted from the round" means nothing)
-        self.in_place = False
-
-    def _scope(self, round_: int) -> int:
-        """The agreement's key for a hang now: a group re-formed in place agrees on its next hang afresh."""
-        return round_ * EPOCH_SPAN + self.epoch
 
     def reset(self, local_ranks: tuple[int, ...], started_at: float) -> None:
         """Workers are about to start: forget the previous generation's slots so none is read as this one's."""
@@ -128,10 +120,11 @@ class HangHandler:
                     return True
         return False
 
-    def peer_claim(self, round_: int) -> str | None:
+    def peer_claim(self, round_: int, epoch: int = 0) -> str | None:
+        """The name of a hang another node claimed in ``round_``'s membership ``epoch`` (hot recovery; else 0)."""
         if self._agreement is None:
             return None
-        return self._agreement.claimed(self._scope(round_))
+        return self._agreement.claimed(_scope(round_, epoch))
 
     def handle(
         self,
@@ -143,7 +136,12 @@ class HangHandler:
         can_dump: set[int],
         started_at: float,
         suspicion: Suspicion | None,
+        epoch: int = 0,
+        in_place: bool = False,
     ) -> HangReport | None:
+        """Confirm, gather evidence and agree on a hang in ``round_``'s membership ``epoch``. ``in_place``: the
+        group re-formed in place since its round began, so the rendezvous no longer says who is in it (members come
+        from the epoch, liveness from the registry alone, and "evicted from the round" means nothing)."""
         log = self._log()
         fired_at = self._clock()
         step = suspicion.step if suspicion is not None else None
@@ -194,7 +192,7 @@ class HangHandler:
             )
         except OSError as exc:  # the runtime dir's disk is full: diagnose from the other nodes' evidence
             self._write_failed(exc, scratch or self._board_dir)
-        outcome = self._confirm(suspicion, fired_at, round_, exited)
+        outcome = self._confirm(suspicion, fired_at, round_, epoch, exited)
         if outcome is not _Confirmation.CONFIRMED:
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
@@ -205,9 +203,7 @@ class HangHandler:
             log.info("hang_cleared", silent_s=round(suspicion.silent_s, 3), step=suspicion.step)
             return None
         liveness = self._liveness
-        stale = (
-            self._safe(lambda: liveness.evicted(round_), None) if liveness is not None and not self.in_place else None
-        )
+        stale = self._safe(lambda: liveness.evicted(round_), None) if liveness is not None and not in_place else None
         if stale is not None:
             # stopped and evicted: the run went on without us; rejoin, and report nothing that could count
             if scratch is not None:
@@ -220,7 +216,7 @@ class HangHandler:
         name, owner = candidate, True
         agreement = self._agreement
         if agreement is not None:
-            scope = self._scope(round_)
+            scope = _scope(round_, epoch)
             name, owner = self._safe(lambda: agreement.claim(scope, candidate), (candidate, True))
         path = self._run.hang(name)
         if self._write_down(scratch, path):
@@ -231,7 +227,9 @@ class HangHandler:
             "detected_by": self._node if owner else None,
             "timeout_s": round(suspicion.allowance_s, 3) if suspicion else None,
         }
-        summary = self._agree(round_, members, evidence, owner=owner, extra=extra, exited=exited)
+        summary = self._agree(
+            round_, members, evidence, owner=owner, extra=extra, exited=exited, epoch=epoch, in_place=in_place
+        )
         if summary is None:
             # abandoned while agreeing: take back what we wrote, so a failure leaves no hang diagnostics behind
             shutil.rmtree(path / node_evidence_dir(self._node), ignore_errors=True)
@@ -305,7 +303,12 @@ class HangHandler:
         self._log().warning("diagnostics_write_failed", path=str(path), error=f"{type(exc).__name__}: {failure}")
 
     def _confirm(
-        self, suspicion: Suspicion | None, fired_at: float, round_: int, exited: Callable[[], list[int]]
+        self,
+        suspicion: Suspicion | None,
+        fired_at: float,
+        round_: int,
+        epoch: int,
+        exited: Callable[[], list[int]],
     ) -> _Confirmation:
         """Still silent once the confirmation window has passed (or a peer claimed the hang meanwhile)?"""
         if exited():
@@ -318,7 +321,7 @@ class HangHandler:
                 return _Confirmation.EXITED
             if self.watchdog.check(self._clock()) is None:
                 return _Confirmation.CLEARED
-            if self._clock() >= until or self._safe(lambda: self.peer_claim(round_), None) is not None:
+            if self._clock() >= until or self._safe(lambda: self.peer_claim(round_, epoch), None) is not None:
                 return _Confirmation.CONFIRMED
             time.sleep(0.05)
 
@@ -331,11 +334,13 @@ class HangHandler:
         owner: bool,
         extra: dict[str, Any],
         exited: Callable[[], list[int]],
+        epoch: int,
+        in_place: bool,
     ) -> dict[str, Any] | None:
         agreement = self._agreement
         liveness = self._liveness
         hang = str(extra["hang"])
-        scope = self._scope(round_)
+        scope = _scope(round_, epoch)
         if agreement is not None:
             try:
                 agreement.report(scope, evidence, hang)
@@ -345,7 +350,7 @@ class HangHandler:
                     owner=owner,
                     extra=extra,
                     lost=(
-                        (lambda: liveness.lost(round_, members, rendezvous=not self.in_place))
+                        (lambda: liveness.lost(round_, members, rendezvous=not in_place))
                         if liveness is not None
                         else dict
                     ),
@@ -375,3 +380,8 @@ class HangHandler:
             return read()
         except EtcdError:
             return fallback
+
+
+def _scope(round_: int, epoch: int) -> int:
+    """The agreement's key for a hang now: a group re-formed in place agrees on its next hang afresh."""
+    return round_ * EPOCH_SPAN + epoch

@@ -11,7 +11,7 @@ that finds it live (``elasticd/group_record.py`` reads the record and probes the
 - the workers learn the round to join (``ELASTICD_JOIN_ROUND``), import and prepare, then ask the group to admit them
   and heal from a live peer (``elasticd/worker/hot_path.py``): the running workers never restart;
 - until admitted, the node holds no fencing token (its workers cannot commit); the epoch that admits them moves the
-  token, which the agent then adopts as its own (``supervisor.py``);
+  token, which the agent then adopts as its own (``round.py``);
 - if the group stops training in place meanwhile (it fell back to a cold restart, the run ended), the workers give up
   (exit :data:`~elasticd.errors.EXIT_REJOIN`) and the node goes through the rendezvous like any other: a restart of
   this node's agent that, like any membership change, does not count against ``--max-restarts``.

@@ -1,6 +1,7 @@
-"""The supervisor's loop, stepped over a scripted node and a fake clock: no process, no etcd, no rendezvous.
+"""The supervisor's loop, stepped over a small fake per port and a fake clock: no process, no etcd, no rendezvous.
 
-Each test sets what the node observes, calls :meth:`Controller.step` and checks what the controller did, in order.
+Each test sets what the node observes, calls :meth:`Controller.step` and checks what the controller did, in order
+(the fakes share one record), and the :class:`Outcome` a terminal step returns.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import pytest
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from elasticd.agent.controller import Controller, NodeState
+from elasticd.agent.controller import Controller, NodeState, Signals
 from elasticd.agent.policy import Decision, GroupState, HangReport
+from elasticd.agent.reports import Fatal
 from elasticd.board import Phase
-from elasticd.errors import EXIT_REJOIN
+from elasticd.errors import EXIT_GAVE_UP, EXIT_OK, EXIT_REJOIN
 
 
 def failed(*exitcodes: int) -> RunResult:
@@ -23,44 +25,92 @@ def failed(*exitcodes: int) -> RunResult:
     return RunResult(state=WorkerState.FAILED, failures=failures)
 
 
-class ScriptedNode:
-    """A node whose observations the test sets; every action is recorded in ``calls``."""
+class Script:
+    """What the fakes were asked, in order: ``calls`` (acts and diagnoses) and ``reads`` (polled observations)."""
 
     def __init__(self) -> None:
-        self.results: list[RunResult] = []  # what monitor() returns, in turn (then the last one again)
-        self.suspicion: Any = None
-        self.drain_wanted = False
-        self.lost = False
-        self.joining = False
-        self.claim: str | None = None
-        self.report: HangReport | None = None
-        self.exiting = False
-        self.waiting = 0
-        self.fatal_report: tuple[str, int] | None = None
-        self.restarts = 3
-        self.saved = False
-        self.in_place = True
-        self.resize = False
-        self.phases: list[Phase] = [Phase.TRAINING]
-        self.leaves_in_place = False
-        self.leave_requested = False
         self.calls: list[tuple[Any, ...]] = []
         self.reads: list[str] = []
 
-    node_id = "n0"
+    def actions(self) -> list[tuple[Any, ...]]:
+        """The calls that change something (not the straggler checks, which run on their own clock)."""
+        return [c for c in self.calls if c[0] != "stragglers"]
 
-    # observe
+
+class FakeWorkers:
+    """The local worker group: ``results`` is what monitor() returns, in turn (then the last one again)."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.results: list[RunResult] = []
+        self.restarts = 3
+        self.leaves_in_place = False
+
     def monitor(self) -> RunResult:
-        self.reads.append("monitor")
+        self.script.reads.append("monitor")
         if len(self.results) > 1:
             return self.results.pop(0)
         return self.results[0] if self.results else RunResult(state=WorkerState.HEALTHY)
 
-    def hang_suspicion(self) -> Any | None:
-        return self.suspicion
+    def restarts_left(self) -> int:
+        return self.restarts
+
+    def log_failures(self, result: RunResult) -> None:
+        self.script.calls.append(("log_failures",))
+
+    def checkpoint_first(self, reason: str) -> None:
+        self.script.calls.append(("checkpoint_first", reason))
+
+    def leave_in_place(self) -> bool:
+        self.script.calls.append(("leave_in_place",))
+        return self.leaves_in_place
+
+    def kill(self) -> None:
+        self.script.calls.append(("kill",))
+
+    def restart(self, decision: Decision, nodes_waiting: int) -> None:
+        self.script.calls.append(("restart", decision.reason, decision.counts_as_restart))
+        if decision.counts_as_restart:
+            self.restarts -= 1
+
+    def finish(self) -> None:
+        self.script.calls.append(("finish",))
+
+    def drain(self, *, leave: bool) -> RunResult:
+        self.script.calls.append(("drain", leave))
+        return RunResult(state=WorkerState.SUCCEEDED)
+
+    def give_up(self, decision: Decision, result: RunResult) -> RunResult:
+        self.script.calls.append(("give_up", decision.reason))
+        return RunResult(state=WorkerState.FAILED, failures=result.failures)
+
+
+class FakeReports:
+    def __init__(self) -> None:
+        self.fatal: Fatal | None = None
+        self.saved = False
+        self.in_place = True
+
+    def all_saved(self) -> bool:
+        return self.saved
+
+    def all_in_place(self) -> bool:
+        return self.in_place
+
+
+class FakeRun:
+    node_id = "n0"
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.drain_wanted = False
+        self.lost = False
+        self.joining = False
+        self.waiting = 0
+        self.resize = False
 
     def drain_requested(self) -> bool:
-        self.reads.append("drain")
+        self.script.reads.append("drain")
         return self.drain_wanted
 
     def lineage_lost(self) -> bool:
@@ -69,87 +119,66 @@ class ScriptedNode:
     def waiting_to_join(self) -> bool:
         return self.joining
 
-    def peer_hang_claim(self) -> str | None:
-        self.reads.append("claim")
-        return self.claim
-
-    def diagnose_hang(self, suspicion: Any | None) -> HangReport | None:
-        self.calls.append(("diagnose", suspicion))
-        return self.report
-
-    def workers_exiting(self) -> bool:
-        return self.exiting
-
     def nodes_waiting(self) -> int:
-        self.reads.append("waiting")
+        self.script.reads.append("waiting")
         return self.waiting
-
-    def fatal(self) -> tuple[str, int] | None:
-        return self.fatal_report
-
-    def restarts_left(self) -> int:
-        return self.restarts
-
-    def all_saved(self) -> bool:
-        return self.saved
-
-    def all_in_place(self) -> bool:
-        return self.in_place
 
     def resize_needed(self, state: GroupState, failures: dict[int, Any]) -> bool:
         return self.resize
 
-    def worker_phases(self) -> Sequence[Phase]:
-        return self.phases
-
-    # act
-    def set_graceful(self, graceful: bool) -> None:
-        self.graceful = graceful
+    def check_stragglers(self, now: float) -> None:
+        self.script.calls.append(("stragglers", now))
 
     def publish_state(self, state: NodeState) -> None:
-        self.calls.append(("state", state))
+        self.script.calls.append(("state", state))
 
-    def check_stragglers(self, now: float) -> None:
-        self.calls.append(("stragglers", now))
 
-    def leave_hang_to_culprits(self, hang: HangReport) -> None:
-        self.calls.append(("left_to_culprits", hang.culprit_nodes))
+class FakeHangs:
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.silent: Any = None  # the watchdog's suspicion
+        self.claim: str | None = None
+        self.report: HangReport | None = None
+        self.exits = False
+        self.slots: list[Phase] = [Phase.TRAINING]
 
-    def log_failures(self, result: RunResult) -> None:
-        self.calls.append(("log_failures",))
+    def suspicion(self) -> Any | None:
+        return self.silent
 
-    def leave_in_place(self) -> bool:
-        self.calls.append(("leave_in_place",))
-        return self.leaves_in_place
+    def peer_claim(self) -> str | None:
+        self.script.reads.append("claim")
+        return self.claim
 
-    def checkpoint_first(self, reason: str) -> None:
-        self.calls.append(("checkpoint_first", reason))
+    def diagnose(self, suspicion: Any | None) -> HangReport | None:
+        self.script.calls.append(("diagnose", suspicion))
+        return self.report
 
-    def tell_group_of_hang(self, hang: HangReport) -> None:
-        self.calls.append(("tell_group", hang.culprit_nodes))
+    def exiting(self) -> bool:
+        return self.exits
 
-    def kill_workers(self) -> None:
-        self.calls.append(("kill",))
+    def phases(self) -> Sequence[Phase]:
+        return self.slots
 
-    def restart(self, decision: Decision, nodes_waiting: int) -> None:
-        self.calls.append(("restart", decision.reason, decision.counts_as_restart))
-        if decision.counts_as_restart:
-            self.restarts -= 1
+    def leave_to_culprits(self, hang: HangReport) -> None:
+        self.script.calls.append(("left_to_culprits", hang.culprit_nodes))
 
-    def finish(self) -> None:
-        self.calls.append(("finish",))
+    def tell_group(self, hang: HangReport) -> None:
+        self.script.calls.append(("tell_group", hang.culprit_nodes))
 
-    def drain(self, *, leave: bool) -> RunResult:
-        self.calls.append(("drain", leave))
-        return RunResult(state=WorkerState.SUCCEEDED)
 
-    def give_up(self, decision: Decision, exit_code: int, result: RunResult) -> RunResult:
-        self.calls.append(("give_up", decision.reason, exit_code))
-        return RunResult(state=WorkerState.FAILED, failures=result.failures)
+class Node:
+    """One scripted node: a fake per port, sharing one record of what was asked."""
+
+    def __init__(self) -> None:
+        self.script = Script()
+        self.workers = FakeWorkers(self.script)
+        self.reports = FakeReports()
+        self.run = FakeRun(self.script)
+        self.hangs = FakeHangs(self.script)
+        self.signals = Signals()
 
     def actions(self) -> list[tuple[Any, ...]]:
-        """The calls that change something (not the straggler checks, which run on their own clock)."""
-        return [c for c in self.calls if c[0] != "stragglers"]
+        return self.script.actions()
 
 
 class Clock:
@@ -161,8 +190,8 @@ class Clock:
 
 
 @pytest.fixture
-def node() -> ScriptedNode:
-    return ScriptedNode()
+def node() -> Node:
+    return Node()
 
 
 @pytest.fixture
@@ -171,22 +200,29 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def controller(node: ScriptedNode, clock: Clock) -> Controller:
-    return Controller(node, clock=clock)
+def controller(node: Node, clock: Clock) -> Controller:
+    return Controller(
+        workers=node.workers,
+        reports=node.reports,
+        run=node.run,
+        hangs=node.hangs,
+        signals=node.signals,
+        clock=clock,
+    )
 
 
-def test_a_healthy_step_does_nothing_and_goes_on(node: ScriptedNode, controller: Controller) -> None:
+def test_a_healthy_step_does_nothing_and_goes_on(node: Node, controller: Controller) -> None:
     assert controller.step() is None
     assert node.actions() == []
     assert controller.state is NodeState.RUNNING
-    assert node.graceful  # a signal may wait for a clean leave while the workers train
+    assert node.signals.graceful  # a signal may wait for a clean leave while the workers train
 
 
 def test_a_failed_worker_restarts_the_group_while_restarts_last_then_gives_up(
-    node: ScriptedNode, controller: Controller
+    node: Node, controller: Controller
 ) -> None:
-    node.results = [failed(1)]
-    node.restarts = 1
+    node.workers.results = [failed(1)]
+    node.workers.restarts = 1
     assert controller.step() is None
     assert node.actions() == [
         ("log_failures",),
@@ -194,68 +230,71 @@ def test_a_failed_worker_restarts_the_group_while_restarts_last_then_gives_up(
         ("restart", "failure", True),
     ]
     assert controller.state is NodeState.RUNNING  # the new round publishes its own states
-    assert not node.graceful  # unplanned: a signal while the group restarts ends the daemon at once
-    node.calls.clear()
-    result = controller.step()
-    assert result is not None and result.state is WorkerState.FAILED
-    assert node.actions() == [("log_failures",), ("state", NodeState.FAILED), ("give_up", "failure", 1)]
+    assert not node.signals.graceful  # unplanned: a signal while the group restarts ends the daemon at once
+    node.script.calls.clear()
+    outcome = controller.step()
+    assert outcome is not None and outcome.state is WorkerState.FAILED
+    assert (outcome.node_state, outcome.exit_code, outcome.leaves) == (NodeState.FAILED, EXIT_GAVE_UP, True)
+    assert outcome.message and outcome.node_state.terminal
+    assert node.actions() == [("log_failures",), ("state", NodeState.FAILED), ("give_up", "failure")]
 
 
-def test_a_fatal_report_stops_the_node_with_the_workers_exit_code(node: ScriptedNode, controller: Controller) -> None:
-    node.fatal_report = ("non-finite loss beyond --on-nan", 3)
-    result = controller.step()
-    assert result is not None and result.state is WorkerState.FAILED
-    assert node.actions()[-1] == ("give_up", "fatal", 3)
+def test_a_fatal_report_stops_the_node_with_the_workers_exit_code(node: Node, controller: Controller) -> None:
+    node.reports.fatal = Fatal("nan", "non-finite loss beyond --on-nan", 3)
+    outcome = controller.step()
+    assert outcome is not None and outcome.state is WorkerState.FAILED
+    assert (outcome.node_state, outcome.exit_code) == (NodeState.FAILED, 3)
+    assert outcome.message == "non-finite loss beyond --on-nan"
+    assert node.actions()[-1] == ("give_up", "fatal")
 
 
-def test_a_join_takes_a_checkpoint_first_and_costs_no_restart(node: ScriptedNode, controller: Controller) -> None:
-    node.waiting = 1
+def test_a_join_takes_a_checkpoint_first_and_costs_no_restart(node: Node, controller: Controller) -> None:
+    node.run.waiting = 1
     assert controller.step() is None
     assert node.actions() == [
         ("checkpoint_first", "membership"),
         ("state", NodeState.RESTARTING),
         ("restart", "membership", False),
     ]
-    assert node.graceful  # planned: a signal meanwhile still waits for a clean leave
-    node.waiting = 0
-    node.calls.clear()
+    assert node.signals.graceful  # planned: a signal meanwhile still waits for a clean leave
+    node.run.waiting = 0
+    node.script.calls.clear()
     controller.step()
     assert node.actions() == []  # nothing more once the node joined
 
 
-def test_a_worker_on_its_way_out_is_not_joined_first(node: ScriptedNode, controller: Controller) -> None:
-    node.exiting, node.waiting = True, 1
+def test_a_worker_on_its_way_out_is_not_joined_first(node: Node, controller: Controller) -> None:
+    node.hangs.exits, node.run.waiting = True, 1
     controller.step()
-    assert "waiting" not in node.reads  # the join waits for the failure about to be reported
+    assert "waiting" not in node.script.reads  # the join waits for the failure about to be reported
     assert node.actions() == []
 
 
-def test_a_drain_request_is_read_once_per_control_interval(
-    node: ScriptedNode, clock: Clock, controller: Controller
-) -> None:
+def test_a_drain_request_is_read_once_per_control_interval(node: Node, clock: Clock, controller: Controller) -> None:
     controller.step()
-    node.drain_wanted = True
+    node.run.drain_wanted = True
     clock.now += 0.5
     assert controller.step() is None
-    assert node.reads.count("drain") == 1 and node.actions() == []  # not read again before the interval
+    assert node.script.reads.count("drain") == 1 and node.actions() == []  # not read again before the interval
     clock.now += 0.5
-    result = controller.step()
-    assert result is not None and result.state is WorkerState.SUCCEEDED
+    outcome = controller.step()
+    assert outcome is not None and outcome.state is WorkerState.SUCCEEDED
+    assert (outcome.node_state, outcome.exit_code, outcome.leaves) == (NodeState.DRAINING, EXIT_OK, False)
     assert node.actions() == [("checkpoint_first", "drain"), ("state", NodeState.DRAINING), ("drain", False)]
 
 
-def test_sigterm_leaves_in_place_without_a_checkpoint_when_the_workers_can(
-    node: ScriptedNode, controller: Controller
-) -> None:
-    node.leave_requested, node.leaves_in_place = True, True
-    assert controller.step() is not None
+def test_sigterm_leaves_in_place_without_a_checkpoint_when_the_workers_can(node: Node, controller: Controller) -> None:
+    node.signals.leave_requested, node.workers.leaves_in_place = True, True
+    outcome = controller.step()
+    assert outcome is not None and (outcome.node_state, outcome.exit_code) == (NodeState.DRAINING, EXIT_OK)
+    assert outcome.leaves  # this node alone: the others go on
     assert node.actions() == [("leave_in_place",), ("state", NodeState.DRAINING), ("drain", True)]
 
 
 def test_sigterm_takes_a_checkpoint_first_when_leaving_in_place_did_not_work(
-    node: ScriptedNode, controller: Controller
+    node: Node, controller: Controller
 ) -> None:
-    node.leave_requested = True
+    node.signals.leave_requested = True
     controller.step()
     assert node.actions() == [
         ("leave_in_place",),
@@ -265,11 +304,9 @@ def test_sigterm_takes_a_checkpoint_first_when_leaving_in_place_did_not_work(
     ]
 
 
-def test_a_hang_whose_culprit_is_here_tells_the_group_kills_and_restarts(
-    node: ScriptedNode, controller: Controller
-) -> None:
-    node.suspicion = "rank 0 silent"
-    node.report = HangReport(step=7, attempt=1, path="/d/20261130-hang", culprits=(0,), culprit_nodes=("n0",))
+def test_a_hang_whose_culprit_is_here_tells_the_group_kills_and_restarts(node: Node, controller: Controller) -> None:
+    node.hangs.silent = "rank 0 silent"
+    node.hangs.report = HangReport(step=7, attempt=1, path="/d/20261130-hang", culprits=(0,), culprit_nodes=("n0",))
     controller.step()
     assert node.actions() == [
         ("diagnose", "rank 0 silent"),
@@ -280,79 +317,75 @@ def test_a_hang_whose_culprit_is_here_tells_the_group_kills_and_restarts(
     ]
 
 
-def test_a_hang_whose_culprits_are_elsewhere_is_left_to_them_in_place(
-    node: ScriptedNode, controller: Controller
-) -> None:
-    node.suspicion = "rank 0 silent"
-    node.report = HangReport(step=7, attempt=1, path="/d/h", culprits=(2,), culprit_nodes=("n1",))
+def test_a_hang_whose_culprits_are_elsewhere_is_left_to_them_in_place(node: Node, controller: Controller) -> None:
+    node.hangs.silent = "rank 0 silent"
+    node.hangs.report = HangReport(step=7, attempt=1, path="/d/h", culprits=(2,), culprit_nodes=("n1",))
     assert controller.step() is None
     assert node.actions() == [("diagnose", "rank 0 silent"), ("left_to_culprits", ("n1",))]
-    node.in_place = False  # cold workers cannot re-form: the whole group restarts
-    node.calls.clear()
+    node.reports.in_place = False  # cold workers cannot re-form: the whole group restarts
+    node.script.calls.clear()
     controller.step()
     assert ("restart", "hang", True) in node.actions() and ("kill",) in node.actions()
 
 
-def test_a_peer_s_hang_claim_is_acted_on_once(node: ScriptedNode, clock: Clock, controller: Controller) -> None:
-    node.claim = "20261130-hang"
-    node.report = HangReport(step=7, attempt=1, path=f"/d/{node.claim}", culprit_nodes=("n1",))
+def test_a_peer_s_hang_claim_is_acted_on_once(node: Node, clock: Clock, controller: Controller) -> None:
+    node.hangs.claim = "20261130-hang"
+    node.hangs.report = HangReport(step=7, attempt=1, path=f"/d/{node.hangs.claim}", culprit_nodes=("n1",))
     controller.step()
     assert ("diagnose", None) in node.actions()
-    node.calls.clear()
+    node.script.calls.clear()
     clock.now += 1.0
     controller.step()
-    assert node.reads.count("claim") == 2  # read again, and known
+    assert node.script.reads.count("claim") == 2  # read again, and known
     assert node.actions() == []
 
 
-def test_a_node_waiting_to_join_in_place_takes_no_part_in_the_group_s_hangs(
-    node: ScriptedNode, controller: Controller
-) -> None:
-    node.joining, node.claim = True, "20261130-hang"
+def test_a_node_waiting_to_join_in_place_takes_no_part_in_the_group_s_hangs(node: Node, controller: Controller) -> None:
+    node.run.joining, node.hangs.claim = True, "20261130-hang"
     controller.step()
-    assert "claim" not in node.reads and node.actions() == []
+    assert "claim" not in node.script.reads and node.actions() == []
 
 
 def test_a_worker_that_exited_during_an_uncounted_hang_is_a_failure_not_a_hang(
-    node: ScriptedNode, controller: Controller
+    node: Node, controller: Controller
 ) -> None:
-    node.results = [RunResult(state=WorkerState.HEALTHY), failed(1)]
-    node.suspicion = "rank 0 silent"
-    node.report = HangReport(step=7, attempt=0, path="", culprit_nodes=("n0",))  # a lost node: not counted
+    node.workers.results = [RunResult(state=WorkerState.HEALTHY), failed(1)]
+    node.hangs.silent = "rank 0 silent"
+    node.hangs.report = HangReport(step=7, attempt=0, path="", culprit_nodes=("n0",))  # a lost node: not counted
     controller.step()
     actions = node.actions()
     assert ("restart", "failure", True) in actions
     assert ("kill",) not in actions and not any(a[0] == "tell_group" for a in actions)
 
 
-def test_a_lost_lineage_restarts_without_a_checkpoint_or_a_counted_restart(
-    node: ScriptedNode, controller: Controller
-) -> None:
-    node.lost = True
+def test_a_lost_lineage_restarts_without_a_checkpoint_or_a_counted_restart(node: Node, controller: Controller) -> None:
+    node.run.lost = True
     controller.step()
     assert node.actions() == [("state", NodeState.RESTARTING), ("restart", "membership", False)]
 
 
 def test_workers_that_could_not_join_in_place_go_through_the_rendezvous_for_free(
-    node: ScriptedNode, controller: Controller
+    node: Node, controller: Controller
 ) -> None:
-    node.results = [failed(EXIT_REJOIN)]
+    node.workers.results = [failed(EXIT_REJOIN)]
     controller.step()
     assert node.actions() == [("log_failures",), ("state", NodeState.RESTARTING), ("restart", "membership", False)]
-    node.results = [failed(EXIT_REJOIN, 1)]  # one of them failed for real: counted
-    node.calls.clear()
+    node.workers.results = [failed(EXIT_REJOIN, 1)]  # one of them failed for real: counted
+    node.script.calls.clear()
     controller.step()
     assert ("restart", "failure", True) in node.actions()
 
 
-def test_finished_workers_finish_the_node(node: ScriptedNode, controller: Controller) -> None:
-    done = RunResult(state=WorkerState.SUCCEEDED)
-    node.results = [done]
-    assert controller.step() is done
+def test_finished_workers_finish_the_node(node: Node, controller: Controller) -> None:
+    done = RunResult(state=WorkerState.SUCCEEDED, return_values={0: None, 1: None})
+    node.workers.results = [done]
+    outcome = controller.step()
+    assert outcome is not None and (outcome.state, outcome.return_values) == (done.state, done.return_values)
+    assert (outcome.node_state, outcome.exit_code, outcome.leaves) == (NodeState.FINISHED, EXIT_OK, False)
     assert node.actions() == [("state", NodeState.FINISHED), ("finish",)]
 
 
-def test_the_node_s_state_follows_its_workers_in_place(node: ScriptedNode, controller: Controller) -> None:
+def test_the_node_s_state_follows_its_workers_in_place(node: Node, controller: Controller) -> None:
     seen = []
     for phases, in_place in (
         ([Phase.JOINING], True),
@@ -360,7 +393,7 @@ def test_the_node_s_state_follows_its_workers_in_place(node: ScriptedNode, contr
         ([Phase.TRAINING], True),
         ([Phase.LOADING], False),  # a cold worker resuming from its checkpoint: running
     ):
-        node.phases, node.in_place = phases, in_place
+        node.hangs.slots, node.reports.in_place = phases, in_place
         controller.step()
         seen.append(controller.state)
     assert seen == [NodeState.JOINING, NodeState.REFORMING, NodeState.RUNNING, NodeState.RUNNING]
@@ -372,14 +405,19 @@ def test_the_node_s_state_follows_its_workers_in_place(node: ScriptedNode, contr
 
 
 def test_stragglers_are_checked_on_their_own_interval_while_healthy(
-    node: ScriptedNode, clock: Clock, controller: Controller
+    node: Node, clock: Clock, controller: Controller
 ) -> None:
     for _ in range(5):
         controller.step()
         clock.now += 0.5
-    assert [c for c in node.calls if c[0] == "stragglers"] == [("stragglers", 100.0), ("stragglers", 102.0)]
-    node.results = [failed(1)]
+    assert [c for c in node.script.calls if c[0] == "stragglers"] == [("stragglers", 100.0), ("stragglers", 102.0)]
+    node.workers.results = [failed(1)]
     clock.now += 5
-    node.calls.clear()
+    node.script.calls.clear()
     controller.step()
-    assert not any(c[0] == "stragglers" for c in node.calls)
+    assert not any(c[0] == "stragglers" for c in node.script.calls)
+
+
+def test_only_the_ends_of_the_loop_are_terminal() -> None:
+    ends = {state for state in NodeState if state.terminal}
+    assert ends == {NodeState.FINISHED, NodeState.DRAINING, NodeState.FAILED}
