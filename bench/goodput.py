@@ -7,11 +7,14 @@ one moment), and ``--join-after`` seconds after each kill a new node starts. The
 lived longest among those the system can lose (torchrun cannot lose the node hosting its c10d store; elasticd can
 lose any, rank 0's included).
 
-    goodput = distinct optimizer steps in the window x undisturbed step time / window wall time
+    goodput = sum over world sizes w of min(distinct steps at w x T(w), the seconds they took) / window wall time
 
-where the undisturbed step time is the median step time at 3 nodes before the schedule starts, and distinct steps
-count each step number once (steps redone after a restart from a checkpoint count once). Each system's step-versus-
-time line through the schedule goes to one picture (``--png``, needs matplotlib: ``pip install 'elasticd[bench]'``).
+where ``T(w)`` is the steady step time at world size ``w`` in the same run (the median interval between consecutive
+steps at ``w``), and distinct steps count each step number once (steps redone after a restart from a checkpoint
+count once): goodput <= 1 by construction. Beside it, the idle capacity: the share of the node-seconds the schedule
+provided that were not spent training at that pace (bench/goodput_figures.py computes both from the raw step lines).
+Every system gets the same restart budget (bench/recovery.py's ``MAX_RESTARTS``). Each system's step-versus-time line
+through the schedule goes to one picture (``--png``, needs matplotlib: ``pip install 'elasticd[bench]'``).
 
     python bench/goodput.py [--minutes 10] [--kill-every 30] [--join-after 20] [--only SYSTEM ...] [--png PATH]
 
@@ -53,9 +56,11 @@ from bench.common import (
     wait_for_quiet,
     write_results,
 )
+from bench.goodput_figures import Figures, of_run
 from bench.recovery import (
     CHECKPOINT_EVERY_STEPS,
     MAX_NODES,
+    MAX_RESTARTS,
     QUIET_TIMEOUT_S,
     SCRIPT_ARGS,
     STARTUP_TIMEOUT_S,
@@ -68,7 +73,7 @@ from bench.recovery import (
 )
 
 MINUTES, KILL_EVERY_S, JOIN_AFTER_S = 10.0, 30.0, 20.0
-# Step times at 3 nodes before the schedule, for the undisturbed step time (each ~0.06-0.1 s here).
+# Steps at 3 nodes before the schedule, so it starts from steady training (each ~0.06-0.1 s here).
 BASELINE_STEPS = 40
 # The issue's target for hot recovery; cold recovery and torchrun are reported against it too.
 TARGET_GOODPUT = 0.95
@@ -77,11 +82,11 @@ TARGET_GOODPUT = 0.95
 @dataclass
 class Run:
     system: str
-    step_time_s: float | None = None  # undisturbed: median at 3 nodes before the schedule
+    # median at 3 nodes before the schedule, for reference: goodput uses each world size's step time in the window
+    step_time_s: float | None = None
     window_s: float = 0.0
     steps_before: int = 0  # highest step when the schedule started
     steps_after: int = 0  # highest step when it ended
-    goodput: float | None = None
     note: str = ""
     # (seconds since the schedule started, step, world size) of every step line, and the schedule as it ran
     line: list[tuple[float, int, int]] = field(default_factory=list)
@@ -163,9 +168,12 @@ def run_schedule(job: Job, minutes: float, kill_every_s: float, join_after_s: fl
         for r in n.out_records
         if r.get("event") == "step" and start <= float(r.get("t", 0)) <= start + run.window_s
     )
-    distinct = run.steps_after - run.steps_before
-    run.goodput = round(distinct * run.step_time_s / run.window_s, 4) if run.step_time_s else None
     return run
+
+
+def figures(run: Run) -> Figures | None:
+    """The run's goodput and idle capacity (None when it has no step line in the window)."""
+    return of_run(asdict(run), MAX_NODES)
 
 
 def run_system(system: str, workdir: Path, code: Path, args: argparse.Namespace) -> Run:
@@ -186,10 +194,13 @@ def run_system(system: str, workdir: Path, code: Path, args: argparse.Namespace)
 def render(runs: Sequence[Run]) -> str:
     body = []
     for r in runs:
-        goodput = "-" if r.goodput is None else f"{r.goodput:.1%}"
-        step = "-" if r.step_time_s is None else f"{r.step_time_s * 1000:.0f}"
-        body.append([r.system, goodput, str(r.steps_after - r.steps_before), step, f"{r.window_s:.0f}", r.note])
-    head = ["system", "goodput", "distinct steps", "step ms (3 nodes)", "window s", "note"]
+        f = figures(r)
+        goodput = "-" if f is None else f"{f.goodput:.1%}"
+        steps = "-" if f is None else str(sum(f.distinct_steps.values()))
+        step = "-" if f is None else " / ".join(f"{w}: {1000 * s:.0f}" for w, s in sorted(f.step_time_s.items()))
+        idle = "-" if f is None else f"{f.idle_capacity:.1%} ({f.outside_group:.1%})"
+        body.append([r.system, goodput, steps, step, idle, f"{r.window_s:.0f}", r.note])
+    head = ["system", "goodput", "distinct steps", "step ms per size", "idle (outside group)", "window s", "note"]
     return text_table(head, body) + f"\ntarget for hot recovery: >= {TARGET_GOODPUT:.0%}"
 
 
@@ -205,8 +216,8 @@ def draw(runs: Sequence[Run], png: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(10, 5))
     for r in runs:
-        if r.line:
-            label = r.system if r.goodput is None else f"{r.system} ({r.goodput:.0%})"
+        if (f := figures(r)) is not None:
+            label = f"{r.system} ({f.goodput:.0%})"
             ax.plot([t for t, _, _ in r.line], [s - r.steps_before for _, s, _ in r.line], label=label, lw=1.2)
     first = next((r for r in runs if r.kills), None)
     if first is not None:
@@ -276,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "script_args": list(SCRIPT_ARGS),
             "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
             "baseline_steps": BASELINE_STEPS,
+            "start_nodes": MAX_NODES,
+            "max_restarts": MAX_RESTARTS,
             "torchrun_tuned_rdzv_conf": TUNED_RDZV_CONF,
             "png": str(args.png) if drawn else None,
         },
@@ -283,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "runs": [asdict(r) for r in runs],
     }
     write_results(out, report)
-    if args.logs is None and all(r.goodput is not None for r in runs):
+    if args.logs is None and all(r.line for r in runs):
         shutil.rmtree(workdir, ignore_errors=True)
     else:
         print(f"node logs: {workdir}", file=sys.stderr)

@@ -10,10 +10,14 @@ divided by a measurement.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from bench import goodput_figures
 from bench.common import QUIET_CORES
+from bench.recovery import TARGET_JOIN_S, join_verdict
+from bench.workloads import Workload, mlp_parameters
 
 _RECOVERY_SYSTEMS = ("elasticd", "elasticd-cold", "torchrun", "torchrun-tuned")
 _RECOVERY_LABELS = {
@@ -22,7 +26,11 @@ _RECOVERY_LABELS = {
     "node_loss_rank0": "node loss, rank-0 node",
     "node_vanish": "vanished node (SIGSTOP)",
     "hang": "hung worker (SIGSTOP of one worker, --hang-timeout auto)",
+    "join_large": "join (2 -> 3 nodes), 1.2 GB state",
+    "node_loss_large": "node loss (kill -9, 3 -> 2), 1.2 GB state",
 }
+_JOIN_SCENARIOS = ("join", "join_large")
+_LARGE_SCENARIOS = ("join_large", "node_loss_large")
 _CONTENDED = f"*: other processes used more than {QUIET_CORES:g} cores around that sample"
 _OTHERS = f"`*`: more than {QUIET_CORES:g}"
 
@@ -106,14 +114,26 @@ def _spread(fractions: Sequence[float]) -> str:
 
 def recovery_table(results: dict[str, Any]) -> str:
     """Per scenario, each system's median and samples (seconds until training runs at the new size), the ratio of
-    tuned torchrun to elasticd, the targets; then the median phase ends."""
+    tuned torchrun to elasticd, the targets; then the join's pause (in total, and the longest) and the median phase
+    ends. A join is judged on its pause in total (bench/recovery.py's ``join_verdict``), in files written before
+    that rule too."""
     systems = [s for s in _RECOVERY_SYSTEMS if any(s in row for row in results["summary"])]
-    trials = results.get("config", {}).get("trials")
+    config = results.get("config", {})
     lines = [
-        f"{provenance(results)}; {trials} trial(s) per system, {results.get('duration_s', 0) / 60:.0f} min;"
-        f" {_CONTENDED}; x: did not recover within the timeout.",
+        f"{provenance(results)}; {config.get('trials')} trial(s) per system,"
+        f" {results.get('duration_s', 0) / 60:.0f} min; {_recovery_setup(config)}; seconds from the fault (a join:"
+        " the joiner's spawn) to the first step at the new size; tuned / elasticd: torchrun with elasticd's"
+        f" rendezvous timings over elasticd hot; {_CONTENDED}; x: did not recover within the timeout.",
         "",
     ]
+    large = sorted(
+        {s for row in results["summary"] if row["scenario"] in _LARGE_SCENARIOS for s in systems if s in row}
+    )
+    if large:
+        lines[0] += (
+            f" The 1.2 GB rows ran {', '.join(large)} only: each restart of the cold path or torchrun re-imports torch"
+            " and loads 1.2 GB, which would take 3 trials of every system past ~12 min."
+        )
     body = []
     for row in results["summary"]:
         cells = [_RECOVERY_LABELS.get(row["scenario"], row["scenario"])]
@@ -124,9 +144,10 @@ def recovery_table(results: dict[str, Any]) -> str:
                 cells.append(f"**{_seconds(data['median_s'])}** ({samples})")
             else:
                 cells.append("n/a")
-        body.append([*cells, _ratio(row.get("ratio_tuned_over_elasticd")), row.get("target", "")])
+        body.append([*cells, _ratio(row.get("ratio_tuned_over_elasticd")), _recovery_target(row)])
     head = ["scenario", *(f"{s} median s (samples)" for s in systems), "tuned / elasticd", "target"]
     lines += _table(head, body)
+    lines += _join_pauses(results, systems)
     phases = []
     for row in results["summary"]:
         for system in systems:
@@ -136,33 +157,108 @@ def recovery_table(results: dict[str, Any]) -> str:
     if phases:
         lines += [
             "",
-            "Median phase ends, seconds after the fault (or the join's start); for a join also `stall` (the running"
-            " group's longest pause between two steps, less a typical step), `stall_total` (every step's excess over a"
-            " typical one summed) and `ready_to_step` (the joiner's workers imported and prepared -> their first step"
-            " in the group), all in seconds:",
+            "Median phase ends, seconds after the fault (or the join's start); for a join also `stall_total` (the"
+            " running group's pause in total: every step's excess over a typical one, summed), `stall` (the longest"
+            " single pause between two steps, less a typical step) and `ready_to_step` (the joiner's workers imported"
+            " and prepared -> their first step in the group), all in seconds:",
             "",
             *phases,
         ]
     return "\n".join(lines) + "\n"
 
 
+def _recovery_setup(config: dict[str, Any]) -> str:
+    """What the job was: the network and backend, the state a change in place broadcasts, the restart budget."""
+    backend = config.get("backend", "gloo (CPU), one worker per node, 127.0.0.1")
+    workloads = config.get("workloads")
+    if workloads:
+        state = "; ".join(
+            f"{name} job: `{' '.join(w['script_args'])}`, {w['parameters']:,} parameters,"
+            f" {_bytes(w['state_bytes'])} of fp32 weights and AdamW moments"
+            for name, w in workloads.items()
+        )
+    else:  # every file before the large state trained examples/train.py's default model (width 32, depth 1)
+        old = Workload("small", tuple(config.get("script_args", [])), mlp_parameters(32, 1), steady_steps=10)
+        state = f"`{' '.join(old.script_args)}`: {old.parameters:,} parameters, {_bytes(old.state_bytes)} of fp32"
+        state += " weights and AdamW moments"
+    budget = config.get("max_restarts")
+    restarts = f"--max-restarts {budget} for every system" if budget is not None else "restart budget not recorded"
+    return f"3 node processes on one host, {backend}; {state}; {restarts}"
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e3:.0f} kB"
+
+
+def _recovery_target(row: dict[str, Any]) -> str:
+    """A join's verdict by today's rule (its pause in total) where the file has the figures; the file's otherwise."""
+    if row["scenario"] == "join":
+        return join_verdict(row.get("elasticd", {}).get("phase_medians_s", {})) or row.get("target", "")
+    return str(row.get("target", ""))
+
+
+def _join_pauses(results: dict[str, Any], systems: Sequence[str]) -> list[str]:
+    """Per join scenario and system: the running group's pause in total (the figure judged), the longest single
+    pause (secondary) and ready -> step, medians with every trial's sample."""
+    body = []
+    for scenario in _JOIN_SCENARIOS:
+        for system in systems:
+            mine = [
+                s["milestones"]
+                for s in results.get("samples", [])
+                if s["scenario"] == scenario and s["system"] == system and "stall_total" in s.get("milestones", {})
+            ]
+            if not mine:
+                continue
+            cells: list[object] = [_RECOVERY_LABELS[scenario], system]
+            for key in ("stall_total", "stall", "ready_to_step"):
+                values = [m.get(key) for m in mine]
+                known = [v for v in values if v is not None]
+                median = statistics.median(known) if known else None
+                text, samples = _seconds(median), ", ".join(_num(v) for v in values)  # "-": not recorded
+                cells.append(f"**{text}** ({samples})" if key == "stall_total" else f"{text} ({samples})")
+            body.append(cells)
+    if not body:
+        return []
+    head = ["join", "system", "pause in total s (samples)", "longest single pause s, secondary", "ready -> step s"]
+    return [
+        "",
+        "The running group's pause while a node joined, in total (every step's excess over the median of the up to 20"
+        " steps before, summed from the spawn to the first step at 3 nodes; the 7 kB job's target,"
+        f" <= {TARGET_JOIN_S:g} s, is on this figure) and the longest single pause (secondary), medians over the"
+        " trials (every trial in brackets; -: not recorded):",
+        "",
+        *_table(head, body),
+    ]
+
+
 # -- bench/goodput.py ----------------------------------------------------------------------------------------
 
 
 def goodput_table(results: dict[str, Any]) -> str:
-    """Per system: goodput, distinct steps, the undisturbed step time, the window, kills and joins."""
+    """Per system: goodput against each world size's own step time in the same run (<= 100 %), the idle capacity
+    beside it, distinct steps, those step times, the window, kills, joins and the restart budget. Computed from the
+    raw step lines by bench/goodput_figures.py, so a file written under the older rule (every step at the 3-node step
+    time measured before the schedule) is re-rendered by today's; the figure the file stored is not shown."""
     config = results.get("config", {})
+    start_nodes = config.get("start_nodes", 3)  # every schedule so far starts at --max-nodes 3
     lines = [
         f"{provenance(results)}; {config.get('minutes')} min window, a kill every {config.get('kill_every_s')} s, a"
-        f" join {config.get('join_after_s')} s after each kill; others: cores other processes used before the run /"
-        f" over the window ({_OTHERS}).",
+        f" join {config.get('join_after_s')} s after each kill, {start_nodes} nodes at the start; 127.0.0.1, gloo"
+        f" on CPU, `{' '.join(config.get('script_args', []))}`; {_restart_budget(config)}. goodput: distinct steps"
+        " at each world size x that size's median step time in this run (capped by the seconds those steps took)"
+        " / the window; idle capacity: the share of the node-seconds present (3, one fewer from a kill to the next"
+        " join) not spent training at that pace, of it outside the group: nodes present but not in the group that"
+        f" trained (a joiner starting, a stopped job); others: cores other processes used before the run / over the"
+        f" window ({_OTHERS}).",
         "",
     ]
     head = [
         "system",
         "goodput",
+        "idle capacity (outside the group)",
         "distinct steps",
-        "undisturbed step ms",
+        "step ms per world size",
         "window s",
         "kills",
         "joins",
@@ -171,14 +267,20 @@ def goodput_table(results: dict[str, Any]) -> str:
     ]
     body = []
     for run in results["runs"]:
-        goodput = run.get("goodput")
-        step_ms = None if run.get("step_time_s") is None else 1000 * run["step_time_s"]
+        figures = goodput_figures.of_run(run, start_nodes)
+        if figures is None:
+            cells: list[object] = ["-", "-", 0, "-"]
+        else:
+            cells = [
+                f"**{100 * figures.goodput:.1f} %**",
+                f"{100 * figures.idle_capacity:.1f} % ({100 * figures.outside_group:.1f} %)",
+                sum(figures.distinct_steps.values()),
+                ", ".join(f"{w} nodes {1000 * t:.0f}" for w, t in sorted(figures.step_time_s.items(), reverse=True)),
+            ]
         body.append(
             [
                 run.get("system"),
-                "-" if goodput is None else f"**{100 * goodput:.1f} %**",
-                run.get("steps_after", 0) - run.get("steps_before", 0),
-                _num(step_ms, 0),
+                *cells,
                 _num(run.get("window_s"), 0),
                 len(run.get("kills", [])),
                 len(run.get("joins", [])),
@@ -187,6 +289,13 @@ def goodput_table(results: dict[str, Any]) -> str:
             ]
         )
     return "\n".join(lines + _table(head, body)) + "\n"
+
+
+def _restart_budget(config: dict[str, Any]) -> str:
+    if (budget := config.get("max_restarts")) is not None:
+        return f"--max-restarts {budget} for every system"
+    # what bench/recovery.py passed before the shared budget (the file did not record it)
+    return "unequal restart budgets: torchrun `--max-restarts 10`, elasticd its default 20 (not recorded in the file)"
 
 
 # -- bench/checkpoint.py -------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step, to stand in for real compute")
+    p.add_argument("--width", type=int, default=32, help="units per hidden layer")
+    p.add_argument("--depth", type=int, default=1, help="hidden layers (bench/recovery.py's large state: 7 of 4096)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     p.add_argument("--record-ids", default=None, help="append the sample ids each rank trains on (tests)")
     p.add_argument("--save-final", default=None, help="write the final weights here (tests)")
@@ -68,7 +70,8 @@ def main() -> None:
     torch.manual_seed(args.seed)
     dataset = Regression(args.dataset_size, args.seed)
     loader = run.dataloader(dataset, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch, seed=0)
-    model = nn.Sequential(nn.Linear(FEATURES, 32), nn.Tanh(), nn.Linear(32, 1))
+    hidden = [layer for _ in range(args.depth - 1) for layer in (nn.Linear(args.width, args.width), nn.Tanh())]
+    model = nn.Sequential(nn.Linear(FEATURES, args.width), nn.Tanh(), *hidden, nn.Linear(args.width, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.01 * s))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)

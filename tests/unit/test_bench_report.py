@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench import checkpoint, hang, step_overhead
+from bench import checkpoint, goodput, goodput_figures, hang, recovery, step_overhead, workloads
+from bench.common import Launcher
 from bench.report import _BLOCK, DOC, ROOT, load, main, render, tables_outside_blocks
-from bench.tables import KINDS, checkpoint_table, hang_table, recovery_table, step_overhead_table
+from bench.tables import KINDS, checkpoint_table, goodput_table, hang_table, recovery_table, step_overhead_table
+from elasticd import options
 
 CODE = {"commit": "abc1234", "uncommitted_changes": False}
 MACHINE = {"cpus": 2, "python": "3.11.7", "torch": "2.13.0+cpu"}
@@ -164,3 +167,140 @@ def test_every_kind_names_its_commit_on_its_first_line() -> None:
     assert set(KINDS) == {"recovery", "goodput", "checkpoint", "step_overhead", "hang"}
     dirty = {**_hang_results(), "code": {"commit": "abc1234", "uncommitted_changes": True}}
     assert hang_table(dirty).splitlines()[0].startswith("Measured on commit abc1234 plus uncommitted changes")
+
+
+# -- goodput: each world size's own step time, the idle capacity beside it -----------------------------------
+
+
+def _line(start_t: float, interval_s: float, steps: range, world: int) -> list[tuple[float, int, int]]:
+    return [(round(start_t + interval_s * (i + 1), 6), step, world) for i, step in enumerate(steps)]
+
+
+def test_goodput_credits_each_world_size_its_own_step_time_so_shorter_steps_stay_under_100_percent() -> None:
+    # 50 steps at 3 nodes of 0.1 s, then 100 at 2 nodes of 0.05 s: against the 3-node step time that is 150 %
+    line = _line(0.0, 0.1, range(1, 51), 3) + _line(5.0, 0.05, range(51, 151), 2)
+    figures = goodput_figures.compute(line, steps_before=0, window_s=10.0, start_nodes=3)
+    assert figures.step_time_s == pytest.approx({2: 0.05, 3: 0.1})
+    assert figures.distinct_steps == {2: 100, 3: 50}
+    assert 150 * 0.1 / 10.0 > 1.0  # the old rule's figure for the same samples
+    assert figures.goodput == pytest.approx(1.0)
+
+
+def test_goodput_never_credits_a_world_size_more_seconds_than_its_steps_took() -> None:
+    # a median step of 0.1 s, but two steps of 0.01 s: 6 x 0.1 s would be 0.6 s of work in a 0.42 s window
+    line = [(t, step, 3) for step, t in enumerate([0.1, 0.2, 0.3, 0.4, 0.41, 0.42], 1)]
+    figures = goodput_figures.compute(line, steps_before=0, window_s=0.42, start_nodes=3)
+    assert figures.step_time_s == {3: pytest.approx(0.1)}
+    assert figures.useful_s == {3: pytest.approx(0.42)}
+    assert figures.goodput == pytest.approx(1.0)
+
+
+def test_goodput_counts_a_step_redone_after_a_restart_once_and_steps_before_the_window_not_at_all() -> None:
+    # steps 1-2 before the window; 3-6, a restart from the step-4 checkpoint after a 2 s pause, 5-8 again
+    line = _line(0.0, 0.5, range(3, 7), 2) + _line(4.0, 0.5, range(5, 9), 2)
+    figures = goodput_figures.compute(line, steps_before=2, window_s=6.0, start_nodes=2)
+    assert figures.distinct_steps == {2: 6}  # 3..8
+    assert figures.goodput == pytest.approx(6 * 0.5 / 6.0)
+    assert figures.goodput <= 1.0
+
+
+def test_idle_capacity_counts_node_seconds_present_and_those_outside_the_training_group() -> None:
+    # 3 nodes; a kill at 2 s (2 left), a join at 4 s whose node trains from 6 s on; 0.5 s steps throughout
+    line = _line(0.0, 0.5, range(1, 5), 3) + _line(2.0, 0.5, range(5, 13), 2) + _line(6.0, 0.5, range(13, 21), 3)
+    figures = goodput_figures.compute(line, 0, 10.0, 3, kills=[(2.0, "n0")], joins=[(4.0, "n3")])
+    assert goodput_figures.nodes_present(3, [(2.0, "n0")], [(4.0, "n3")]) == [(0.0, 3), (2.0, 2), (4.0, 3)]
+    assert figures.goodput == pytest.approx(1.0)
+    assert figures.capacity_node_s == pytest.approx(3 * 2 + 2 * 2 + 3 * 6)
+    assert figures.outside_group_node_s == pytest.approx(2.0)  # the joiner from 4 s to 6 s
+    assert figures.idle_capacity == pytest.approx(2.0 / 28)
+    assert figures.outside_group == pytest.approx(2.0 / 28)
+
+
+def _goodput_run(system: str) -> dict[str, Any]:
+    line = _line(0.0, 0.1, range(11, 61), 3) + _line(5.0, 0.05, range(61, 161), 2)
+    run = goodput.Run(system, step_time_s=0.1, window_s=10.0, steps_before=10, steps_after=160, line=line)
+    run.kills, run.foreign_cores_before, run.foreign_cores_during = [(5.0, "n0")], 0.0, 0.01
+    return asdict(run)
+
+
+def test_the_goodput_table_shows_goodput_per_world_size_the_idle_capacity_and_the_restart_budget() -> None:
+    config: dict[str, Any] = {"minutes": 10.0 / 60, "kill_every_s": 30.0, "join_after_s": 20.0}
+    config["script_args"] = ["--sleep", "0.05"]
+    results: dict[str, Any] = {"code": CODE, "machine": MACHINE, "config": {**config, "max_restarts": 20}}
+    results["runs"] = [_goodput_run("elasticd"), {**_goodput_run("torchrun-tuned"), "line": []}]
+    table = goodput_table(results)
+    assert table.splitlines()[0].startswith("Measured on commit abc1234")
+    assert "--max-restarts 20 for every system" in table
+    # 3 nodes for 5 s, 2 for 5 s: 25 node-seconds, all of them training at their own pace
+    assert "| elasticd | **100.0 %** | 0.0 % (0.0 %) | 150 | 3 nodes 100, 2 nodes 50 | 10 | 1 | 0 |" in table
+    assert "| torchrun-tuned | - | - | 0 | - |" in table
+    results["config"] = config  # a file from before the shared budget
+    assert "unequal restart budgets: torchrun `--max-restarts 10`, elasticd its default 20" in goodput_table(results)
+
+
+def test_every_goodput_figure_in_the_doc_is_at_most_100_percent() -> None:
+    for source in sorted((ROOT / "bench" / "results").glob("goodput-*.json")):
+        for run in load(source)["runs"]:
+            figures = goodput_figures.of_run(run, 3)
+            assert figures is None or 0.0 <= figures.goodput <= 1.0, (source.name, run["system"])
+
+
+# -- recovery: the join judged on its pause in total; one restart budget for every system --------------------
+
+
+def _join_sample(trial: int, stall: float, stall_total: float) -> recovery.Sample:
+    sample = recovery.Sample("elasticd", "join", trial, 6.0 + trial / 10)
+    sample.milestones = {"first_step": 6.0, "stall": stall, "stall_total": stall_total, "ready_to_step": 0.12}
+    return sample
+
+
+def test_a_join_is_judged_on_the_groups_pause_in_total_not_its_longest_single_pause() -> None:
+    samples = [_join_sample(1, 0.05, 0.62), _join_sample(2, 0.08, 1.22), _join_sample(3, 0.12, 0.87)]
+    rows = json.loads(json.dumps(recovery.summarize(samples)))
+    assert recovery.join_verdict({"stall": 0.08, "stall_total": 0.87}) == "pause in total <= 0.5 s: MISSED"
+    assert recovery.join_verdict({"stall": 0.9, "stall_total": 0.4}) == "pause in total <= 0.5 s: met"
+    # a file written when the longest pause was judged: its stored verdict is not what the table shows
+    rows[0]["target"] = "stall <= 0.5 s: met; ready -> step <= 0.5 s: met"
+    results = {"code": CODE, "machine": MACHINE, "config": {"trials": 3}, "summary": rows}
+    results["samples"] = [asdict(s) for s in samples]
+    table = recovery_table(results)
+    assert "| pause in total <= 0.5 s: MISSED; ready -> step <= 0.5 s: met |" in table
+    assert "| join | system | pause in total s (samples) | longest single pause s, secondary |" in table
+    assert "| join (2 -> 3 nodes) | elasticd | **0.87** (0.62, 1.22, 0.87) | 0.08 (0.05, 0.08, 0.12) |" in table
+
+
+def test_the_recovery_table_says_what_state_network_and_restart_budget_it_measured() -> None:
+    sample = recovery.Sample("elasticd", "node_loss_large", 1, 2.5)
+    config = {"trials": 1, "backend": "gloo (CPU), one worker per node, 127.0.0.1", "max_restarts": 20}
+    config["workloads"] = {
+        w.name: {"script_args": list(w.script_args), "parameters": w.parameters, "state_bytes": w.state_bytes}
+        for w in (workloads.SMALL, workloads.LARGE)
+    }
+    results = {"code": CODE, "machine": MACHINE, "config": config, "summary": recovery.summarize([sample])}
+    first = recovery_table(results).splitlines()[0]
+    assert "3 node processes on one host, gloo (CPU), one worker per node, 127.0.0.1" in first
+    assert "large job: `--width 4096 --depth 7" in first and "100,761,601 parameters, 1.2 GB" in first
+    assert "small job: `--sleep 0.05 --epochs 1000`, 577 parameters, 7 kB" in first
+    assert "--max-restarts 20 for every system" in first
+    assert "| node loss (kill -9, 3 -> 2), 1.2 GB state | **2.50** (2.50) |" in recovery_table(results)
+
+
+def test_every_system_gets_the_same_restart_budget_elasticds_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(recovery, "free_port", lambda: 29400)  # no socket in a unit test
+    launcher = Launcher(tmp_path, tag="t")
+    script = tmp_path / "train.py"
+    jobs: list[recovery.Job] = [
+        recovery.ElasticdJob(launcher, "r", tmp_path, script, "127.0.0.1:2379", recovery="hot"),
+        recovery.ElasticdJob(launcher, "r", tmp_path, script, "127.0.0.1:2379", recovery="cold"),
+        recovery.TorchrunJob(launcher, "r", tmp_path, script),
+        recovery.TorchrunJob(launcher, "r", tmp_path, script, tuned=True, workload=workloads.LARGE),
+    ]
+    budgets = []
+    for job in jobs:
+        command = job.command("n0")
+        assert command.count("--max-restarts") == 1, job.system
+        budgets.append(command[command.index("--max-restarts") + 1])
+    assert budgets == [str(options.MAX_RESTARTS.default)] * len(jobs)
+    assert options.MAX_RESTARTS.default == recovery.MAX_RESTARTS

@@ -1,0 +1,42 @@
+"""What the recovery and goodput benchmarks' jobs train (bench/recovery.py, bench/goodput.py): examples/train.py's
+arguments, its model's size and the state a change in place broadcasts from rank 0 (the full model, optimizer and
+scheduler state), so a caption can say exactly what was measured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCRIPT_NAME = "train.py"  # examples/train.py, run by every system
+
+
+def mlp_parameters(width: int, depth: int, features: int = 16) -> int:
+    """Parameters of examples/train.py's model at ``--width`` and ``--depth`` (``features`` inputs, one output)."""
+    return (features + 1) * width + (depth - 1) * (width + 1) * width + width + 1
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    name: str
+    script_args: tuple[str, ...]
+    parameters: int
+    steady_steps: int  # steps at the expected size before a measurement
+
+    @property
+    def state_bytes(self) -> int:
+        # fp32 weights and AdamW's two fp32 moments (the scheduler's and the step counters' bytes are noise)
+        return 3 * 4 * self.parameters
+
+
+# The 7 kB job every target is set on: 50 ms of stand-in compute per step (each ~0.06-0.1 s here); 1000 epochs of
+# 100 steps are never reached: every trial ends in a kill.
+SMALL = Workload("small", ("--sleep", "0.05", "--epochs", "1000"), mlp_parameters(32, 1), steady_steps=10)
+# ~1.2 GB of state: the smallest global batch both world sizes (2 and 3) divide keeps its ~100M-parameter steps to
+# seconds on 2 cores shared by 3 workers (the work is reading the weights, the all-reduce and AdamW), a small
+# learning rate keeps its loss finite, and fewer steady steps keep a trial to minutes.
+_LARGE_MODEL = ("--width", "4096", "--depth", "7", "--lr", "1e-4")
+LARGE = Workload(
+    "large",
+    (*_LARGE_MODEL, "--global-batch", "6", "--micro-batch", "1", "--epochs", "1000"),
+    mlp_parameters(4096, 7),
+    steady_steps=4,
+)
