@@ -8,7 +8,7 @@ accelerate's shared state). The daemon builds the workers' environment with acce
 
 from __future__ import annotations
 
-from elasticd.privates.surface import Fallback, Process, Surface, callable_with, every, has, mentions
+from elasticd.privates.surface import Fallback, Process, Surface, callable_with, every, has, mentions, reads
 
 _ACC = "accelerate.accelerator:Accelerator"
 _STATE = "accelerate.state"
@@ -22,7 +22,7 @@ def _registry(attribute: str, use: str) -> Surface:
         f"accelerate.Accelerator.{attribute}",
         _SAVER,
         use,
-        mentions(f"{_ACC}.save_state", f"self.{attribute}"),
+        reads(f"{_ACC}.save_state", attribute),
         Fallback.BLOCKING_SAVES,
         Process.WORKER,
     )
@@ -53,9 +53,9 @@ ACCELERATE: tuple[Surface, ...] = (
         ("elasticd.worker.guard", "elasticd.worker.hot.step_guard"),
         "a skipped optimizer step (non-finite, or a failed step) skips the scheduler's too",
         every(
-            mentions(f"{_OPTIMIZER}.__init__", "self._is_overflow"),
-            mentions(f"{_OPTIMIZER}.step_was_skipped.fget", "self._is_overflow"),
-            mentions("accelerate.scheduler:AcceleratedScheduler.step", "step_was_skipped"),
+            reads(f"{_OPTIMIZER}.__init__", "_is_overflow"),
+            reads(f"{_OPTIMIZER}.step_was_skipped.fget", "_is_overflow"),
+            reads("accelerate.scheduler:AcceleratedScheduler.step", "step_was_skipped"),
         ),
         Fallback.REFUSE_TO_START,
         Process.WORKER,

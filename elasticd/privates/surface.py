@@ -7,12 +7,13 @@ a test that removes an attribute sees the check fail.
 
 from __future__ import annotations
 
+import dis
 import importlib
 import inspect
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from types import CodeType
 from typing import Any
 
 Check = Callable[[], str | None]
@@ -117,18 +118,57 @@ def mentions(owner: str, *needles: str) -> Check:
     return check
 
 
-def assigned(owner: str, attribute: str) -> Check:
-    """The method ``owner`` (a constructor, say) sets ``self.<attribute>``."""
+def reads(owner: str, *names: str) -> Check:
+    """The compiled code of the function ``owner`` still names each of ``names`` (an attribute it reads or sets, a
+    global it calls), nested functions included. Read from its bytecode: no source, no tokenizing, so it is cheap
+    enough for every worker's start."""
 
     def check() -> str | None:
-        source, problem = _source(owner)
-        if source is None:
-            return problem
-        if re.search(rf"self\.{re.escape(attribute)}\s*(:[^=\n]+)?=", source):
+        code = _code(owner)
+        if code is None:
+            return "missing"
+        found = set(_code_names(code))
+        absent = [n for n in names if n not in found]
+        return None if not absent else f"no longer uses {', '.join(absent)}"
+
+    return check
+
+
+def _code(owner: str) -> CodeType | None:
+    """The code object of the function ``owner``, under any ``functools.wraps`` decorator (torch's ``@prof``)."""
+    function = resolve(owner)
+    if not callable(function):
+        return None
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return code if isinstance(code, CodeType) else None
+
+
+def _code_names(code: CodeType) -> Iterator[str]:
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _code_names(const)
+
+
+def assigned(owner: str, attribute: str) -> Check:
+    """The method ``owner`` (a constructor, say) still sets ``self.<attribute>`` (a store of it in its bytecode)."""
+
+    def check() -> str | None:
+        code = _code(owner)
+        if code is None:
+            return "missing"
+        if any(i.opname == "STORE_ATTR" and i.argval == attribute for i in _instructions(code)):
             return None
         return f"no longer sets self.{attribute}"
 
     return check
+
+
+def _instructions(code: CodeType) -> Iterator[dis.Instruction]:
+    yield from dis.get_instructions(code)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _instructions(const)
 
 
 def has(owner: str, *attributes: str) -> Check:

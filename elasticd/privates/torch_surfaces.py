@@ -19,6 +19,7 @@ from elasticd.privates.surface import (
     every,
     has,
     mentions,
+    reads,
     resolve,
 )
 
@@ -31,7 +32,7 @@ _HOLDER = f"{_RDZV}:_BackendRendezvousStateHolder"
 _DDP = "torch.nn.parallel:DistributedDataParallel"
 _C10D = "torch.distributed.distributed_c10d"
 
-_SUPERVISOR = ("elasticd.agent.supervisor",)
+_SUPERVISOR = ("elasticd.agent.supervisor", "elasticd.agent.workers")
 _HANDLERS = ("elasticd.rendezvous.handler", "elasticd.agent.liveness")
 _REFORM = ("elasticd.worker.hot.reform",)
 _BACKEND = ("elasticd.worker.hot.backend",)
@@ -100,14 +101,14 @@ _AGENT = (
     _agent(
         "torch.distributed.elastic.agent.server.api.SimpleElasticAgent._invoke_run",
         "replaced by our decision loop (agent/controller.py); torch's run() calls it",
-        every(callable_with(f"{_API}._invoke_run", "self", "role"), mentions(f"{_API}.run", "self._invoke_run(role)")),
+        every(callable_with(f"{_API}._invoke_run", "self", "role"), reads(f"{_API}.run", "_invoke_run")),
     ),
     _agent(
         "torch.distributed.elastic.agent.server.api.SimpleElasticAgent._rendezvous",
         "overridden: node ids, the lineage token and a lost round around torch's rendezvous",
         every(
             callable_with(f"{_API}._rendezvous", "self", "worker_group"),
-            mentions(f"{_API}._initialize_workers", "self._rendezvous(worker_group)"),
+            reads(f"{_API}._initialize_workers", "_rendezvous"),
         ),
     ),
     _agent(
@@ -115,7 +116,7 @@ _AGENT = (
         "overridden: ranks among the training nodes only, spares left out",
         every(
             callable_with(f"{_API}._assign_worker_ranks", "self", "store", "group_rank", "group_world_size", "spec"),
-            mentions(f"{_API}._rendezvous", "self._assign_worker_ranks("),
+            reads(f"{_API}._rendezvous", "_assign_worker_ranks"),
         ),
     ),
     _agent(
@@ -161,7 +162,7 @@ _RENDEZVOUS = (
         "replaced by quorum.ReformingExecutor; leave() runs its own operation through it",
         every(
             assigned(f"{_HANDLER}.__init__", "_op_executor"),
-            mentions(f"{_HANDLER}.next_rendezvous", "self._op_executor.run("),
+            reads(f"{_HANDLER}.next_rendezvous", "_op_executor"),
         ),
         ("elasticd.rendezvous.handler",),
     ),
@@ -191,7 +192,7 @@ _RENDEZVOUS = (
         "overridden: each round's store, whose waits end when a member is lost",
         every(
             callable_with(f"{_HANDLER}._get_store", "self"),
-            mentions(f"{_HANDLER}.next_rendezvous", "self._get_store()"),
+            reads(f"{_HANDLER}.next_rendezvous", "_get_store"),
         ),
         ("elasticd.rendezvous.handler",),
     ),
@@ -222,7 +223,7 @@ _RENDEZVOUS = (
     _handler(
         f"{_RDZV}._BackendRendezvousStateHolder._last_sync_time",
         "the age of the cached state (heartbeat ages); set to -1 to bypass the 1 s cache after a wake-up",
-        mentions(f"{_HOLDER}.sync", "self._last_sync_time"),
+        every(reads(f"{_HOLDER}.sync", "_last_sync_time"), assigned(f"{_HOLDER}.sync", "_last_sync_time")),
         ("elasticd.agent.liveness", "elasticd.rendezvous.wakeup"),
     ),
     _handler(
@@ -314,7 +315,7 @@ _HOT_PATH = (
         "torch.nn.parallel.DistributedDataParallel._has_rebuilt_buckets",
         _REFORM,
         "set after the bucket re-sync, as DDP's own forward pass would",
-        mentions(f"{_DDP}.__init__", "self._has_rebuilt_buckets"),
+        assigned(f"{_DDP}.__init__", "_has_rebuilt_buckets"),
     ),
     _hot(
         "torch.distributed.Reducer._push_all_rebuilt_params",

@@ -32,7 +32,17 @@ from elasticd.privates.check import (
     require,
     versions_line,
 )
-from elasticd.privates.surface import CHECKED_WITH, Fallback, Process
+from elasticd.privates.surface import (
+    CHECKED_WITH,
+    Fallback,
+    Process,
+    assigned,
+    callable_with,
+    has,
+    mentions,
+    reads,
+    resolve,
+)
 from elasticd.privates.torch_surfaces import TORCH
 from elasticd.rendezvous import wakeup
 from elasticd.worker.hot.errors import SurfaceChanged
@@ -195,3 +205,35 @@ def test_attach_under_moved_saver_privates_gives_a_run_whose_saves_block(
     assert attach(accelerator, settings).settings.asynchronous
     monkeypatch.setattr(Accelerator, "save_state", lambda self, output_dir=None: None)
     assert not attach(accelerator, settings).settings.asynchronous
+
+
+class _Sample:
+    def method(self, a: int, b: int = 0) -> object:
+        self._set = a
+        return self._read  # type: ignore[attr-defined]  # never called: only its bytecode is read
+
+
+_OWNER = f"{_Sample.__module__}:_Sample.method"
+
+
+@pytest.mark.parametrize(
+    ("check", "expected"),
+    [
+        (callable_with(_OWNER, "self", "a", "b"), None),
+        (callable_with(_OWNER, "self", "a"), "parameters ('self', 'a', 'b'), expected ('self', 'a')"),
+        (callable_with(f"{_Sample.__module__}:_Sample.gone", "self"), "missing"),
+        (reads(_OWNER, "_read", "_set"), None),
+        (reads(_OWNER, "_other"), "no longer uses _other"),
+        (assigned(_OWNER, "_set"), None),
+        (assigned(_OWNER, "_read"), "no longer sets self._read"),
+        (mentions(_OWNER, "return self._read"), None),
+        (mentions(_OWNER, "self._gone"), "no longer contains 'self._gone'"),
+        (has(f"{_Sample.__module__}:_Sample", "method", "gone"), "no longer has gone"),
+    ],
+)
+def test_each_kind_of_check_holds_on_what_is_there_and_names_what_is_not(check: Any, expected: str | None) -> None:
+    assert check() == expected
+
+
+def test_an_owner_whose_module_is_gone_resolves_to_nothing() -> None:
+    assert resolve("elasticd_no_such_module:x") is None

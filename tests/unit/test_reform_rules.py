@@ -211,6 +211,7 @@ def test_a_due_time_of_the_handler_ends_the_wait_too() -> None:
 
 
 def test_torchs_private_rendezvous_parts_are_where_the_wakeup_expects_them() -> None:
-    """The canary: when this fails after a torch upgrade, re-read dynamic_rendezvous.py and adapt wakeup.py."""
+    """When this fails after a torch upgrade, the message names the entries of elasticd/privates/torch_surfaces.py
+    that moved: re-read dynamic_rendezvous.py and adapt their users."""
     assert wakeup.surface_problems() == []
     assert wakeup.install()
