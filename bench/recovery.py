@@ -40,10 +40,11 @@ rendezvous timings through ``--rdzv-conf``, so the comparison is of everything b
 the same restart budget, ``MAX_RESTARTS``.
 
 Before every measurement the job runs its workload's steady steps (10; the large state: 4) at the expected size and
-every live node agrees on its group rank. Every wait has a timeout; a system that does not reach the new size within
-``RECOVERY_TIMEOUT_S`` is reported as "did not recover". Besides the headline number, each sample records when
-the phases of the recovery ended (failure detected, rendezvous complete, workers started, worker ready, first
-step), from the daemons' JSON events (elasticd) or torch's log lines (torchrun, run with ``LOGLEVEL=INFO``).
+every live node agrees on its group rank. Every wait has a timeout (the large state's: 2.5 times as long); a system
+that does not reach the new size within ``RECOVERY_TIMEOUT_S`` is reported as "did not recover". Besides the
+headline number, each sample records when the phases of the recovery ended (failure detected, rendezvous complete,
+workers started, worker ready, first step), from the daemons' JSON events (elasticd) or torch's log lines
+(torchrun, run with ``LOGLEVEL=INFO``).
 
     python bench/recovery.py [--trials 3] [--only SYSTEM ...] [--scenarios SCENARIO ...] [--json OUT] [--logs DIR]
 
@@ -472,6 +473,7 @@ def steps_at(job: Job, size: int, after: float) -> list[dict[str, Any]]:
 def wait_steady(job: Job, size: int, since: float, timeout_s: float = STEADY_TIMEOUT_S) -> dict[str, int]:
     """Wait for the workload's steady steps at ``size`` after ``since`` and agreed group ranks; return the ranks."""
     steps = job.workload.steady_steps
+    timeout_s *= job.workload.timeout_scale
 
     def steady() -> dict[str, int] | None:
         job.launcher.refresh()
@@ -482,10 +484,16 @@ def wait_steady(job: Job, size: int, since: float, timeout_s: float = STEADY_TIM
     return wait_until(steady, timeout_s, f"{job.system}: {steps} steps at world size {size}")
 
 
+def recovery_timeout_s(job: Job) -> float:
+    """How long after the fault the job may take to train at the new size before it "did not recover"."""
+    return RECOVERY_TIMEOUT_S * job.workload.timeout_scale
+
+
 def first_step(
     job: Job, after: float, what: str, accept: Callable[[dict[str, Any]], bool] = lambda r: True
 ) -> dict[str, Any] | None:
-    """The first step line after ``after`` that ``accept`` takes, or None when none comes within RECOVERY_TIMEOUT_S."""
+    """The first step line after ``after`` that ``accept`` takes, or None when none comes within
+    :func:`recovery_timeout_s`."""
 
     def first() -> dict[str, Any] | None:
         job.launcher.refresh()
@@ -493,13 +501,13 @@ def first_step(
         return steps[0] if steps else None
 
     try:
-        return wait_until(first, RECOVERY_TIMEOUT_S, what, poll_s=0.1)
+        return wait_until(first, recovery_timeout_s(job), what, poll_s=0.1)
     except BenchTimeout:
         return None
 
 
 def first_step_at(job: Job, size: int, after: float) -> dict[str, Any] | None:
-    """The first step line at ``size`` after ``after``, or None when none comes within RECOVERY_TIMEOUT_S."""
+    """The first step line at ``size`` after ``after``, or None when none comes within :func:`recovery_timeout_s`."""
     return first_step(job, after, f"a step at world size {size}", lambda r: r.get("world_size") == size)
 
 
@@ -579,7 +587,7 @@ def measure(
         last = job.last_group_rank(victim)
         sample.victim_group_rank = last[1] if last else None
     if step is None:
-        sample.note = f"did not recover within {RECOVERY_TIMEOUT_S:g} s"
+        sample.note = f"did not recover within {recovery_timeout_s(job):g} s"
         return sample
     t1 = float(step["t"])
     sample.seconds = round(t1 - t0, 3)
@@ -990,6 +998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "min_nodes": MIN_NODES,
             "max_nodes": MAX_NODES,
             "steady_steps": {w.name: w.steady_steps for w in (SMALL, LARGE)},
+            "timeout_scale": {w.name: w.timeout_scale for w in (SMALL, LARGE)},
             "recovery_timeout_s": RECOVERY_TIMEOUT_S,
             "quiet_timeout_s": args.quiet_timeout,
             "trials": args.trials,

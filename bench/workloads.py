@@ -20,6 +20,8 @@ class Workload:
     script_args: tuple[str, ...]
     parameters: int
     steady_steps: int  # steps at the expected size before a measurement
+    # every wait of bench/recovery.py (steady state, recovery) gets this many times its timeout: slow steps
+    timeout_scale: float = 1.0
 
     @property
     def state_bytes(self) -> int:
@@ -32,11 +34,14 @@ class Workload:
 SMALL = Workload("small", ("--sleep", "0.05", "--epochs", "1000"), mlp_parameters(32, 1), steady_steps=10)
 # ~1.2 GB of state: the smallest global batch both world sizes (2 and 3) divide keeps its ~100M-parameter steps to
 # seconds on 2 cores shared by 3 workers (the work is reading the weights, the all-reduce and AdamW), a small
-# learning rate keeps its loss finite, and fewer steady steps keep a trial to minutes.
+# learning rate keeps its loss finite, and fewer steady steps keep a trial to minutes. A join waits for the joiner
+# to build its model and for the group's next step boundary, and then for the 1.2 GB broadcast: 69 s at 1.5 busy
+# cores of other work, beyond 120 s at 1.8.
 _LARGE_MODEL = ("--width", "4096", "--depth", "7", "--lr", "1e-4")
 LARGE = Workload(
     "large",
     (*_LARGE_MODEL, "--global-batch", "6", "--micro-batch", "1", "--epochs", "1000"),
     mlp_parameters(4096, 7),
     steady_steps=4,
+    timeout_scale=2.5,
 )

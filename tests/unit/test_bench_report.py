@@ -304,3 +304,26 @@ def test_every_system_gets_the_same_restart_budget_elasticds_default(
         budgets.append(command[command.index("--max-restarts") + 1])
     assert budgets == [str(options.MAX_RESTARTS.default)] * len(jobs)
     assert options.MAX_RESTARTS.default == recovery.MAX_RESTARTS
+
+
+def test_the_large_state_runs_on_a_job_of_its_own_after_the_small_jobs_and_for_elasticd_hot_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs: list[tuple[str, str, list[str]]] = []
+
+    def run_job(
+        system: str, trial: int, trial_dir: Path, code: Path, workload: workloads.Workload, scenarios: Any
+    ) -> list[recovery.Sample]:
+        jobs.append((trial_dir.name, workload.name, [sc.value for sc in scenarios]))
+        return []
+
+    monkeypatch.setattr(recovery, "_run_job", run_job)
+    recovery.run_system_trial("elasticd", 1, tmp_path, tmp_path, list(recovery.Scenario))
+    assert jobs == [
+        ("elasticd-1", "small", ["join", "node_loss", "node_loss_rank0", "node_vanish", "hang"]),
+        ("elasticd-1-large", "large", ["join_large", "node_loss_large"]),
+    ]
+    jobs.clear()
+    for system in ("elasticd-cold", "torchrun", "torchrun-tuned"):
+        recovery.run_system_trial(system, 1, tmp_path, tmp_path)
+    assert [workload for _, workload, _ in jobs] == ["small"] * 3
