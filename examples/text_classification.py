@@ -119,6 +119,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step (tests: time to act mid-run)")
     p.add_argument("--eval-size", type=int, default=256, help="held-out sentences rank 0 scores at the end")
     p.add_argument("--save-pretrained", default=None, help="write the trained model here (save_pretrained)")
+    p.add_argument("--record-ids", default=None, help="append the sentence ids each rank trains on (tests)")
     return p.parse_args()
 
 
@@ -139,7 +140,13 @@ def main() -> None:
         started = {"event": "start", "mixed_precision": accelerator.mixed_precision, "step": run.state.step}
         print(json.dumps({**started, "world_size": accelerator.num_processes, "pid": os.getpid()}), flush=True)
 
+    record = open(args.record_ids, "a") if args.record_ids else None  # noqa: SIM115
     for batch in run.batches(loader, epochs=args.epochs):
+        if record is not None:  # as examples/train.py: per attempt of a step (a step failed in place is tried again)
+            attempt = {"round": run.settings.round, "rollbacks": run.state.rollbacks, "epoch": run.epoch}
+            ids = batch["id"][batch["valid"]].tolist()
+            line = {"step": run.state.step + 1, **attempt, "rank": run.rank, "ids": ids}
+            print(json.dumps(line), file=record, flush=True)  # a rank killed later still counts
         with accelerator.accumulate(model), accelerator.autocast():
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             losses = torch.nn.functional.cross_entropy(logits.float(), batch["labels"], reduction="none")

@@ -11,18 +11,23 @@ import pytest
 from elasticd.etcd.server import EmbeddedEtcd
 from tests.integration.cluster import ROOT, Cluster, read_json_lines
 from tests.integration.test_accelerate_config import WIZARD_CPU_BF16
+from tests.integration.test_worker_library import effective_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 EXAMPLE = ROOT / "examples" / "text_classification.py"
-STEPS = 120  # 3 epochs of 1920 sentences in global batches of 48
+STEPS, GLOBAL_BATCH = 120, 48  # 3 epochs of 1920 sentences in global batches of 48
 
 
 def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
     config = tmp_path / "accelerate.yaml"
     config.write_text(WIZARD_CPU_BF16)
     model_dir = tmp_path / "trained"
-    args = ("--epochs", "3", "--dataset-size", "1920", "--sleep", "0.1", "--save-pretrained", str(model_dir))
+    record = tmp_path / "ids.jsonl"
+    args = (
+        "--epochs", "3", "--dataset-size", "1920", "--sleep", "0.1", "--save-pretrained", str(model_dir),
+        "--record-ids", str(record),
+    )  # fmt: skip
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -49,7 +54,11 @@ def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd: Embedde
         steps = c.all_steps()
         assert sorted(s["step"] for s in steps) == list(range(1, STEPS + 1)), "a step printed twice or never"
         assert {s["world_size"] for s in steps} == {2, 3}
-        assert all(s["world_size"] * s["accumulation"] * 8 == 48 for s in steps)  # the global batch holds
+        # the global batch holds at 2 and 3: the sentences the ranks recorded for each step, not the step line's own
+        # arithmetic (1920 sentences in batches of 48: no step is padded)
+        trained = effective_ids(record)
+        assert sorted(trained) == list(range(1, STEPS + 1))
+        assert {step: len(ids) for step, ids in trained.items() if len(ids) != GLOBAL_BATCH} == {}
         lines = [line for n in c.nodes.values() for line in read_json_lines(n.out)]
         assert {e["mixed_precision"] for e in lines if e.get("event") == "start"} == {"bf16"}
         (done,) = [e for e in lines if e.get("event") == "done"]
