@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from accelerate import Accelerator
+from accelerate.checkpointing import load_custom_state
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.state import AcceleratorState, PartialState
@@ -83,6 +84,16 @@ def _shared_state(cls: type) -> Callable[[], str | None]:
         return _source_mentions(vars(cls).get("__init__"), "self.__dict__ = self._shared_state")
 
     return check
+
+
+def _custom_objects() -> str | None:
+    # the list register_for_checkpointing extends and save_state/load_state walk; registered.py copies their round
+    # trip (torch.save, then torch.load onto the CPU into load_state_dict)
+    return (
+        _source_mentions(vars(Accelerator).get("__init__"), "self._custom_objects = []")
+        or _source_mentions(Accelerator.register_for_checkpointing, "self._custom_objects.extend(")
+        or _source_mentions(load_custom_state, 'map_location="cpu"', "obj.load_state_dict(")
+    )
 
 
 def _reducer() -> type | None:
@@ -154,6 +165,11 @@ SURFACES: tuple[Surface, ...] = (
         "accelerate.Accelerator.step",
         "the micro-batch counter that decides when to sync, restarted at a new world size",
         lambda: _source_mentions(getattr(Accelerator, "_do_sync", None), "self.step"),
+    ),
+    Surface(
+        "accelerate.Accelerator._custom_objects",
+        "the objects registered for checkpointing: rolled back after a discarded step, healed to every member",
+        _custom_objects,
     ),
     Surface(
         "torch.distributed.distributed_c10d._abort_process_group",
