@@ -16,11 +16,11 @@ _OPTIMIZER = "accelerate.optimizer:AcceleratedOptimizer"
 _SAVER = ("elasticd.worker.saver",)
 
 
-def _registry(attribute: str, use: str) -> Surface:
+def _registry(attribute: str, use: str, users: tuple[str, ...] = _SAVER) -> Surface:
     """One of the Accelerator's registries that save_state saves from (read by save_state, so still an attribute)."""
     return Surface(
         f"accelerate.Accelerator.{attribute}",
-        _SAVER,
+        users,
         use,
         reads(f"{_ACC}.save_state", attribute),
         Fallback.BLOCKING_SAVES,
@@ -46,7 +46,11 @@ ACCELERATE: tuple[Surface, ...] = (
     _registry("_optimizers", "the prepared optimizers an asynchronous save copies"),
     _registry("_schedulers", "the prepared schedulers an asynchronous save copies"),
     _registry("_dataloaders", "the prepared loaders whose position an asynchronous save copies"),
-    _registry("_custom_objects", "objects registered with register_for_checkpointing, copied by an asynchronous save"),
+    _registry(
+        "_custom_objects",
+        "objects registered with register_for_checkpointing, copied by an asynchronous save (and by the hot path)",
+        (*_SAVER, "elasticd.worker.hot.registered"),
+    ),
     _registry("_save_model_state_pre_hook", "the hooks save_state runs before saving, run by an asynchronous save"),
     Surface(
         "accelerate.optimizer.AcceleratedOptimizer._is_overflow",
@@ -58,6 +62,21 @@ ACCELERATE: tuple[Surface, ...] = (
             reads("accelerate.scheduler:AcceleratedScheduler.step", "step_was_skipped"),
         ),
         Fallback.REFUSE_TO_START,
+        Process.WORKER,
+    ),
+    Surface(
+        # what the hot path relies on is public behaviour read through the registry above: a moved registry or a
+        # changed load_custom_state turns recovery in place off (the objects would silently miss a rollback)
+        "accelerate.Accelerator.register_for_checkpointing",
+        ("elasticd.worker.hot.registered",),
+        "the registered objects rolled back after a discarded step and healed to every member (worker/hot/"
+        "registered.py), loaded as load_custom_state loads them: on the CPU, into load_state_dict",
+        every(
+            reads(f"{_ACC}.__init__", "_custom_objects"),
+            mentions(f"{_ACC}.register_for_checkpointing", "self._custom_objects.extend("),
+            mentions("accelerate.checkpointing:load_custom_state", 'map_location="cpu"', "obj.load_state_dict("),
+        ),
+        Fallback.COLD_RECOVERY,
         Process.WORKER,
     ),
     _shared_state("PartialState"),

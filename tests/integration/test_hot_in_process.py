@@ -383,6 +383,56 @@ def test_heal_gives_a_fresh_member_the_sources_model_optimizer_schedule_and_prog
         assert torch.equal(mine, theirs)
 
 
+class Registered:
+    """An object registered for checkpointing: a count, a tensor and a nested plain value in its state."""
+
+    def __init__(self, steps: int = 0) -> None:
+        self.steps, self.ema = steps, torch.full((3,), float(steps))
+        self.history: list[tuple[str, float]] = [("start", steps)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "ema": self.ema, "history": self.history}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps, self.history = state["steps"], state["history"]
+        self.ema.copy_(state["ema"])
+
+
+def heal_with_registered(members: list[Trainee], objects: list[list[Any]], pair: list[Any]) -> list[Any]:
+    """Both members heal from rank 0, each with its own registered objects."""
+    return in_both(
+        lambda r: heal(
+            0,
+            members[r].model,
+            members[r].optimizer,
+            members[r].scheduler,
+            members[r].state,
+            registered=objects[r],
+            group=pair[r],
+        )
+    )
+
+
+def test_heal_gives_every_member_the_sources_registered_objects_as_a_restart_would(pair: list[Any]) -> None:
+    members = [Trainee(seed=0), Trainee(seed=1)]
+    objects = [[Registered(76), Registered(5)], [Registered(), Registered()]]
+    objects[0][1].history.append(("ema", 0.5))
+    outcomes = heal_with_registered(members, objects, pair)
+    assert not any(isinstance(o, Exception) for o in outcomes), outcomes
+    for mine, theirs in zip(objects[1], objects[0], strict=True):
+        assert mine.steps == theirs.steps and mine.history == theirs.history
+        assert torch.equal(mine.ema, theirs.ema) and mine.ema is not theirs.ema
+    assert objects[1][0].steps == 76 and objects[1][1].history == [("start", 5), ("ema", 0.5)]
+
+
+def test_a_member_with_other_registered_objects_fails_the_heal_on_every_member(pair: list[Any]) -> None:
+    members = [Trainee(seed=0), Trainee(seed=0)]
+    objects: list[list[Any]] = [[Registered(3)], []]
+    outcomes = heal_with_registered(members, objects, pair)
+    assert all(isinstance(o, HealError) for o in outcomes), outcomes
+    assert "objects registered for checkpointing [], the source has ['Registered']" in str(outcomes[1])
+
+
 def test_a_member_whose_model_does_not_fit_fails_the_heal_on_every_member(pair: list[Any]) -> None:
     members = [Trainee(seed=0), Trainee(seed=0, hidden=5)]
     outcomes = in_both(

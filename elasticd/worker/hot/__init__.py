@@ -11,6 +11,8 @@ One job per module, wired together by the caller (the worker library, later; the
 - ``backend.py``: what differs per backend (:class:`GlooGroups`, :class:`NcclGroups` — NCCL unverified, no GPU
   here): how the old group is retired and the new one formed; :func:`worker_env` for the daemon.
 - ``heal.py``: :func:`heal`, the source member's state copied to all members over the new group.
+- ``registered.py``: the objects registered for checkpointing through a discarded step (:class:`Rollback`) and a
+  heal, as a restart would load them.
 - the private torch/accelerate names all this relies on are entries of ``elasticd/privates/``'s tables, checked
   when a :class:`Reformer` is built (their fallback: cold recovery).
 - ``errors.py``: what makes the hot path give up (the caller then falls back to the cold path).

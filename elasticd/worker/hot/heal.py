@@ -3,12 +3,14 @@
 After a failure the survivors may be a step apart (a peer can die after one survivor's last all-reduce completed and
 before another's did); a joiner has only freshly initialised objects. :func:`heal` makes them all equal to the
 source (:func:`order_by_progress` puts the member with the most committed steps first, to be rank 0 and the source):
-parameters and buffers of the prepared model, the optimizer's and the scheduler's state dicts, and the
+parameters and buffers of the prepared model, the optimizer's and the scheduler's state dicts, the objects the
+script registered for checkpointing (as a restart loads them: ``registered.py``) and the
 :class:`~elasticd.worker.state.TrainingState` (step count, data position, skipped batches). RNG streams are not
 copied: they are per rank, and the worker library derives them from (seed, step, rank) after any resume.
 
 The transfer is two small broadcasts (the length and the pickled description: state-dict structure, tensor shapes
-and dtypes, training state; pickled as torch's own ``broadcast_object_list`` does, between members of one job),
+and dtypes, training state, the registered objects' ``torch.save`` bytes; pickled as torch's own
+``broadcast_object_list`` does, between members of one job),
 one agreement that every member's objects fit the source's (so that all members fail together instead of one
 waiting on the others), then the tensors packed into few flat buffers of one dtype each. Every collective has a
 bounded wait: a member that dies or hangs during the heal raises :class:`~elasticd.worker.hot.errors.HealError` on
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -30,6 +32,7 @@ import torch.distributed as dist
 
 from elasticd.worker.hot.backend import collective_device
 from elasticd.worker.hot.errors import HealError
+from elasticd.worker.hot.registered import capture, restore
 from elasticd.worker.state import TrainingState
 
 # One collective of the heal may take this long before the member is given up on; a 600 MB state took 2.5 s on
@@ -78,6 +81,7 @@ def heal(
     scheduler: Any,
     state: TrainingState,
     *,
+    registered: Sequence[Any] = (),
     group: dist.ProcessGroup | None = None,
     timeout: timedelta = DEFAULT_HEAL_TIMEOUT,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
@@ -86,8 +90,10 @@ def heal(
     """Make this member's model, optimizer, scheduler and training state those of rank ``source`` (a collective).
 
     ``state`` is this member's training state (the one sent, on the source); the source's is returned. ``scheduler``
-    may be None, on every member alike. ``group`` defaults to the current default group; ``source`` is a rank in it.
-    Gradients are cleared on every member: the next step starts from none.
+    may be None, on every member alike. ``registered``: the objects registered for checkpointing
+    (``registered_objects(accelerator)``), loaded with the source's state as a restart would load them. ``group``
+    defaults to the current default group; ``source`` is a rank in it. Gradients are cleared on every member: the
+    next step starts from none.
     """
     started = clock()
     if group is None:
@@ -99,7 +105,7 @@ def heal(
         raise ValueError(f"source rank {source} is outside the world of {world_size}")
     link = _Link(group, source, timeout)
     model_tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
-    own = _describe(model, optimizer, scheduler)
+    own = _describe(model, optimizer, scheduler, registered)
     if world_size == 1:
         return state, HealReport(rank, source, world_size, 0, 0, clock() - started)
 
@@ -110,6 +116,7 @@ def heal(
             "training": state.to_meta(),
             "optimizer": _detach(optimizer.state_dict(), state_tensors),
             "scheduler": None if scheduler is None else _detach(scheduler.state_dict(), state_tensors),
+            "registered_state": capture(registered),
             "state_tensors": [(tuple(t.shape), t.dtype) for t in state_tensors],
         }
         blob = link.bytes(pickle.dumps(description))
@@ -126,6 +133,10 @@ def heal(
         optimizer.load_state_dict(_attach(description["optimizer"], state_tensors))
         if scheduler is not None:
             scheduler.load_state_dict(_attach(description["scheduler"], state_tensors))
+        try:
+            restore(registered, description["registered_state"])
+        except Exception as exc:  # the types agreed: an object refused its own kind of state
+            raise HealError(f"loading the objects registered for checkpointing failed: {exc}", source=source) from exc
         state = TrainingState.from_meta(description["training"])
     for parameter in model.parameters():
         parameter.grad = None
@@ -220,13 +231,15 @@ def _chunks(tensors: list[torch.Tensor], chunk_bytes: int) -> Iterable[list[torc
         yield chunk
 
 
-def _describe(model: torch.nn.Module, optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    """What must match between source and receivers: the model's tensors and the optimizer's groups."""
+def _describe(model: torch.nn.Module, optimizer: Any, scheduler: Any, registered: Sequence[Any]) -> dict[str, Any]:
+    """What must match between source and receivers: the model's tensors, the optimizer's groups, the scheduler and
+    the objects registered for checkpointing."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
     return {
         "model": [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors],
         "param_groups": [len(g["params"]) for g in optimizer.state_dict()["param_groups"]],
         "has_scheduler": scheduler is not None,
+        "registered": [type(obj).__qualname__ for obj in registered],
     }
 
 
@@ -241,6 +254,8 @@ def _mismatch(own: Mapping[str, Any], source: Mapping[str, Any]) -> str:
         return f"optimizer parameter groups {own['param_groups']}, the source has {source['param_groups']}"
     if own["has_scheduler"] != source["has_scheduler"]:
         return "a scheduler on one side only"
+    if own["registered"] != source["registered"]:
+        return f"objects registered for checkpointing {own['registered']}, the source has {source['registered']}"
     return ""
 
 

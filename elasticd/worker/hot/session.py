@@ -10,7 +10,8 @@ step whose gradients could not be reduced, :meth:`HotSession.recover`:
    daemons' verdict (``liveness.py``); then one etcd transaction decides it and moves the fence
    (``elasticd/membership.py``); at least ``min_members`` must be left;
 3. re-forms the process group in place over etcd (a store no node takes down with it) and heals every member from
-   the one with the most committed steps.
+   the one with the most committed steps (the objects registered for checkpointing included; the failed step's
+   changes to them were undone at its boundary, ``registered.py``).
 
 Anything that stops this (fewer than the minimum, a member dying during the re-formation, a batch plan that does not
 fit the new world, this member left out) raises :class:`HotFallback`: the worker exits and the daemons restart the
@@ -48,6 +49,7 @@ from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
 from elasticd.worker.hot.reform import Reformer
+from elasticd.worker.hot.registered import Rollback, registered_objects
 from elasticd.worker.hot.step_guard import FailedStepGuard
 from elasticd.worker.hot.watch import FailureWatch
 from elasticd.worker.state import TrainingState
@@ -140,7 +142,8 @@ class HotSession:
         self.watch = FailureWatch(client, keys, self.group)
         self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
         self.watch.on_reason(self.hook.nudge)
-        self.guard = FailedStepGuard(self.health)
+        # a discarded step leaves the objects registered for checkpointing as they were (registered.py)
+        self.guard = FailedStepGuard(self.health, Rollback(lambda: registered_objects(accelerator)))
         self.reformer = Reformer(accelerator, model, self.holder)
         self.listener: ProbeListener | None = None
         self.epoch = 0
@@ -299,7 +302,8 @@ class HotSession:
         plan = plan_for(world)  # the same on every member: all fall back together if the world does not fit
         store = EtcdV3Store(self.client, self.keys.hot_group_store(self.identity.round, target), FORM_TIMEOUT)
         self.reformer.reform(store, rank, world, plan)
-        healed, report = heal(0, self.model, self.optimizer, self.scheduler, state)
+        registered = registered_objects(self.accelerator)
+        healed, report = heal(0, self.model, self.optimizer, self.scheduler, state, registered=registered)
         lost_nodes = tuple(sorted(self._nodes_of(self.members) - self._nodes_of(decision.members)))
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
         nodes = self._nodes_of(decision.members)

@@ -7,6 +7,10 @@ the same optimizer: installed first (inside the non-finite guard, which clears t
 the flag after; installed second it returns before the non-finite guard runs. Either way a failed step is neither a
 parameter update nor a non-finite event.
 
+The script's own code after ``optimizer.step()`` still runs on a failed step; given a :class:`Rollback`
+(``registered.py``) the guard keeps the state of the objects registered for checkpointing at the skip and puts it
+back in :meth:`FailedStepGuard.take`, so a step counter or an EMA kept the accelerate way does not move either.
+
 Every survivor skips alike: a rank whose all-reduce failed skips its step; a rank whose all-reduce completed (the
 peer died after sending its last part) steps, and the heal then copies the state of the member with the most steps
 to everyone, so all members continue from one state.
@@ -18,13 +22,15 @@ from typing import Any
 
 from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepFailure, StepHealth
+from elasticd.worker.hot.registered import Rollback
 
 
 class FailedStepGuard:
     """Skips the optimizer step of a failed step; :meth:`take` says, once per step, whether it failed."""
 
-    def __init__(self, health: StepHealth) -> None:
+    def __init__(self, health: StepHealth, rollback: Rollback | None = None) -> None:
         self.health = health
+        self.rollback = rollback
         self.skipped = 0  # optimizer steps skipped so far, for the caller's metrics
 
     def install(self, optimizer: Any) -> None:
@@ -45,6 +51,8 @@ class FailedStepGuard:
             if self.health.failed:
                 optimizer._is_overflow = True  # accelerate's scheduler wrapper then skips its step too
                 self.skipped += 1
+                if self.rollback is not None:
+                    self.rollback.keep()  # before the script's post-step code changes its registered objects
                 return None
             # Without a scaler accelerate never clears the flag itself: after a skip the schedule would stop for good.
             optimizer._is_overflow = False
@@ -56,6 +64,9 @@ class FailedStepGuard:
         """At the step boundary, after ``optimizer.step``: the failure of the step that just ended, if any.
 
         Consuming it lets the hook reduce again; call it once per optimizer step, and re-form the group before the
-        next step when it returns a failure.
+        next step when it returns a failure. A failed step's registered objects are back as they were before it.
         """
-        return self.health.consume()
+        failure = self.health.consume()
+        if failure is not None and self.rollback is not None:
+            self.rollback.restore()
+        return failure
