@@ -15,8 +15,6 @@ boundary they agree on (:meth:`HotPath.admit`, from the checkpoint agreement of 
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -152,9 +150,7 @@ class HotPath:
         run.beats.send(Kind.HOT_FALLBACK, reason="unsupported", message=why)
         if run.settings.join_round is not None:
             # a joiner that cannot join in place leaves it to its daemon: through the rendezvous, cold
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_REJOIN)
+            exit_guard.exit_now(EXIT_REJOIN)
         return None
 
     def recovered_from_failure(self) -> bool:
@@ -227,11 +223,9 @@ class HotPath:
 
     @staticmethod
     def _exit(code: int) -> NoReturn:
-        sys.stdout.flush()
-        sys.stderr.flush()
         # Not SystemExit: interpreter teardown would drop the abandoned gloo group, whose destructor waits out a
-        # pending collective for the group's timeout (minutes).
-        os._exit(code)
+        # pending collective for the group's timeout (minutes). The exit handlers run, the files are flushed.
+        exit_guard.exit_now(code)
 
     def close(self) -> None:
         self.session.close()
