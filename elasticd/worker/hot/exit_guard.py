@@ -26,7 +26,8 @@ still serves any thread):
   SystemExit(n)``, ``exit(n)``; None is 0, a message is 1), 1 after any other exception that escaped it, else 0.
   Python gives exit handlers none of this, so from :func:`install` on the guard watches the script's outermost
   frame on the main thread (a trace function on that frame only: the exceptions that pass through it, and whether it
-  returned or unwound).
+  returned or unwound). The thread then runs in the interpreter's tracing mode, new frames untraced: what the
+  script runs after ``run.close()`` pays for it in Python-level speed, in this rare case only.
 
 Not done: the ``__del__`` of objects still alive (the teardown's clearing of modules, which Python does not promise
 at exit either: one of them could be the group that waits out its collective); and :func:`exit_now`, called from
