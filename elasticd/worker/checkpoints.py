@@ -21,6 +21,7 @@ a run without a daemon. Both report each checkpoint they skip.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -86,6 +87,11 @@ class CheckpointStore:
         """Write as the group that holds ``token`` from now on (a membership epoch moved the fence in place)."""
         self.token = token
         self.writer = writer_id(token)
+
+    def pinned(self) -> CheckpointStore:
+        """This store as its writer is now: a later :meth:`adopt_token` does not change the copy (a background write
+        keeps the token and directory it started with)."""
+        return copy.copy(self)
 
     def committed(self) -> list[Checkpoint]:
         """Committed checkpoints (a manifest present), oldest first."""

@@ -19,12 +19,13 @@ from elasticd.lineage import CheckpointRecord, Lineage
 
 
 class EtcdFence:
-    """``fence(record) -> bool``: True when ``record`` was committed (this worker's token is still current)."""
+    """``fence(record) -> bool``: True when ``record`` was committed (the writer's token, ``record.token``, is still
+    current). The token comes with each record, not from here: a background write that spans a re-formation in
+    place is asked about under the token it started with (``saver.py``)."""
 
-    def __init__(self, connect_args: Callable[[], dict[str, Any]], run_id: str, token: str) -> None:
+    def __init__(self, connect_args: Callable[[], dict[str, Any]], run_id: str) -> None:
         self._connect_args = connect_args  # EtcdClient.connect's: WorkerSettings.etcd_connect_args
         self._keys = RunKeys(run_id)
-        self.token = token
         self._client: EtcdClient | None = None
 
     def _lineage(self) -> Lineage:
@@ -34,7 +35,7 @@ class EtcdFence:
 
     def __call__(self, record: CheckpointRecord) -> bool:
         try:
-            return self._lineage().commit(self.token, record)
+            return self._lineage().commit(record.token, record)
         except (EtcdError, EtcdUnavailableError):
             # etcd away at commit time: refuse rather than risk a stale commit; the next checkpoint tries again.
             return False

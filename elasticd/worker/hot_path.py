@@ -15,8 +15,6 @@ boundary they agree on (:meth:`HotPath.admit`, from the checkpoint agreement of 
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -195,9 +193,7 @@ class HotPath:
         run.beats.send(Kind.HOT_FALLBACK, reason="unsupported", message=why)
         if run.settings.join_round is not None:
             # a joiner that cannot join in place leaves it to its daemon: through the rendezvous, cold
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(EXIT_REJOIN)
+            exit_guard.exit_now(EXIT_REJOIN)
         return None
 
     def recovered_from_failure(self) -> bool:
@@ -221,6 +217,7 @@ class HotPath:
         run = self.run
         if self._report is not None:
             self.stepped()  # a change superseded before its first step is still reported (and counted)
+        lost = lost_steps(run.state.step, recovered.state.step)  # before regrouped() replaces the state
         run.regrouped(
             recovered.rank,
             recovered.world_size,
@@ -236,7 +233,7 @@ class HotPath:
             "world_size": recovered.world_size,
             "nodes": max(1, recovered.world_size // max(1, run.settings.nproc_per_node)),
             "heal_bytes": recovered.heal_bytes,
-            "lost_steps": 0,
+            "lost_steps": lost,
             "token": recovered.epoch.token,
             "lost_nodes": list(recovered.lost_nodes),
             "node_ids": list(recovered.nodes),
@@ -270,17 +267,29 @@ class HotPath:
 
     @staticmethod
     def _exit(code: int) -> NoReturn:
-        sys.stdout.flush()
-        sys.stderr.flush()
         # Not SystemExit: interpreter teardown would drop the abandoned gloo group, whose destructor waits out a
-        # pending collective for the group's timeout (minutes).
-        os._exit(code)
+        # pending collective for the group's timeout (minutes). The exit handlers run, the files are flushed.
+        exit_guard.exit_now(code)
 
     def close(self) -> None:
         self.session.close()
         pending = self.session.hook.pending_given_up()
         if pending:  # the interpreter's teardown could abort the process: exit_guard.py
             exit_guard.install(self.run.log.info, pending=pending)
+
+
+def lost_steps(completed: int, healed: int) -> int:
+    """The steps a change in place makes this worker train again (``elasticd_lost_steps_total``, "steps redone
+    after a restart"): the optimizer steps it had completed (``completed``, its step count before the change) beyond
+    the step of the state it was healed to (``healed``), or 0.
+
+    A step that failed in place is no completed step: ``run.step()`` returned False, the optimizer, the scheduler and
+    the data position did not move and no step was reported; its samples come again at the new size. The cold path
+    counts alike (``agent/progress.py``: the last step reported minus the step resumed from, the step in flight at
+    the failure not included). The heal source is the member with the most completed steps, so a survivor of a
+    failure, a join or a leave loses none, and a joiner (healed forward from nothing) none; a member ahead of its
+    source would lose the difference."""
+    return max(0, completed - healed)
 
 
 def _run_finished(client: EtcdClient, keys: RunKeys, round_: int) -> bool:

@@ -51,7 +51,15 @@ from elasticd.worker.fence import EtcdFence
 from elasticd.worker.guard import NonFiniteGuard, Verdict
 from elasticd.worker.hot_path import HotPath
 from elasticd.worker.sampler import ElasticSampler, StepSlice, micro_batch_loader
-from elasticd.worker.saver import FAILED, FENCED, SEALED, WRITTEN, CheckpointFailedError, CheckpointSaver
+from elasticd.worker.saver import (
+    ABANDONED,
+    FAILED,
+    FENCED,
+    SEALED,
+    WRITTEN,
+    CheckpointFailedError,
+    CheckpointSaver,
+)
 from elasticd.worker.settings import WorkerSettings
 from elasticd.worker.state import TrainingState
 
@@ -103,8 +111,10 @@ class Run:
             every_seconds=self.settings.checkpoint_every_seconds,
         )
         # under a daemon: commits are recorded in the run's lineage, and only what it records is ever loaded
-        self.fence = EtcdFence(s.etcd_connect_args, s.run_id, s.fence_token) if s.etcd and s.fence_token else None
-        self.saver = CheckpointSaver(accelerator, self.store, fence=self.fence, on_event=self._on_save_event)
+        self.fence = EtcdFence(s.etcd_connect_args, s.run_id) if s.etcd and s.fence_token else None
+        self.saver = CheckpointSaver(
+            accelerator, self.store, fence=self.fence, on_event=self._on_save_event, sweep=self._sweep_lost_writers
+        )
         if not structlog.is_configured():
             configure_logging(stdlib=False)
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
@@ -237,11 +247,19 @@ class Run:
             chosen = broadcast_object_list(chosen, from_process=0)
         return None if chosen[0] is None else Checkpoint(int(chosen[0][0]), Path(chosen[0][1]))
 
-    def _remove_partials(self) -> None:
-        """Rank 0 at start: other writers' directories go, except a recorded commit not yet rolled forward."""
+    def _remove_partials(self) -> list[Path]:
+        """Rank 0 at start: other writers' directories go, except a recorded commit not yet rolled forward; the
+        directories removed."""
         records = self.fence.records() if self.fence is not None else []
-        if records is not None:  # etcd unreadable: a recorded commit may need its directory, so leave them all
-            self.store.remove_partials(keep=frozenset(r.partial for r in records))
+        if records is None:  # etcd unreadable: a recorded commit may need its directory, so leave them all
+            return []
+        return self.store.remove_partials(keep=frozenset(r.partial for r in records))
+
+    def _sweep_lost_writers(self) -> None:
+        """Rank 0, after a re-formation in place, once every member's earlier background write has ended: what is
+        left was written by a group member that was lost (its rank 0 died before it could commit or give up)."""
+        for path in self._remove_partials():
+            self.log.warning(ABANDONED, path=str(path), reason="its writer was lost when the group re-formed in place")
 
     def _time_forward(self, model: Any) -> None:
         """Forward passes wait for no other rank (DDP syncs in backward): their time tells a slow rank apart."""
@@ -433,8 +451,7 @@ class Run:
                 )
                 self._replanned[id(loader)] = replace(loader, plan=plan, sampler=sampler)
         self.coordinator.regroup(rank, world_size, planned=planned)
-        if self.fence is not None:
-            self.fence.token = token
+        self.saver.regroup()  # a background write in flight stays the old group's (saver.py)
         self.store.adopt_token(token)
         self._micro = 0
         self.accelerator.step = 0
@@ -543,6 +560,11 @@ class Run:
             return
         if event == FENCED:
             self.log.warning(event, **fields)
+        if event == ABANDONED:
+            self.log.warning(event, **fields)
+            if fields.get("committer"):  # a save its group's replaced token kept from committing: counted as fenced
+                self.beats.send(Kind.CHECKPOINT_FENCED, step=fields["step"])
+            return
         if event == FAILED:
             self.log.warning(
                 "checkpoint_failed",

@@ -9,6 +9,14 @@ and rank 0 commits once all ranks have written, so a crash at any moment leaves 
 Both ways write the files of ``save_state``, in its format: ``accelerator.load_state(path)`` loads a commit. An
 asynchronous save blocks for a host-memory snapshot and one barrier; a thread per rank then writes the files with
 accelerate's ``save_accelerator_state`` and a marker, and rank 0's waits for every marker before committing.
+
+A background write belongs to the group that started it. Each one is a :class:`_Job` that keeps that group's view
+(fencing token, writer directory, rank, world size) whatever happens to the saver meanwhile. When the group re-forms
+in place (:meth:`CheckpointSaver.regroup`) a write still in flight is handed over: past its seal it finishes under
+the token it started with (committed, or refused by the fence: the epoch's decision moved the token); before it, it
+is abandoned (``checkpoint_abandoned``) and its directory removed, since a member lost with the old group may never
+write its part. What a lost writer left (its rank 0 died) is removed by the new group's rank 0 once every rank's old
+write has ended (``sweep``).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +50,8 @@ from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
 COMMITTED = Kind.CHECKPOINT_COMMITTED
 FAILED = Kind.CHECKPOINT_FAILED
 FENCED = Kind.CHECKPOINT_FENCED
+# A background write of a group that re-formed in place, given up before its seal; its directory is removed.
+ABANDONED = "checkpoint_abandoned"
 # This rank's files are on disk, not yet committed (fault injection kills a rank here: a torn checkpoint).
 WRITTEN = "checkpoint_written"
 # Rank 0: every file and the manifest are durable, the fence is asked next (fault injection freezes a node here).
@@ -58,6 +69,8 @@ _MARKER_POLL_S = 0.05
 _RNG_DEVICES = ("cuda", "xpu", "mlu", "sdaa", "musa", "hpu", "neuron")
 # The error of a rank that failed only because another rank's write did (the one with the OS error reports that).
 PEER_FAILED = "another rank's write of this checkpoint failed"
+# Why a handed-over write is abandoned (the checkpoint_abandoned event's reason).
+REGROUPED = "the group re-formed in place while it was written"
 
 
 class CheckpointFailedError(Exception):
@@ -136,6 +149,29 @@ class _Frozen:
         return self._sampler
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One background write as the group that started it sees it. A re-formation in place changes the saver's rank,
+    world size and token (and accelerate's) under the writer thread: the thread reads them from here only."""
+
+    step: int
+    store: CheckpointStore  # pinned at the start: the fencing token and the writer's directory
+    rank: int
+    world_size: int
+    main: bool  # the rank that commits
+    each_node: bool  # accelerate's save_on_each_node
+    handed_over: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def partial(self) -> Path:
+        return self.store.partial_path(self.step)
+
+    def check(self) -> None:
+        """Raise :class:`_HandedOverError` when the group re-formed in place and this write is not sealed yet."""
+        if self.handed_over.is_set():
+            raise _HandedOverError(REGROUPED)
+
+
 def _freeze_loader(loader: Any, host: _HostCopy) -> _Frozen:
     stateful = bool(getattr(loader, "use_stateful_dataloader", False))
     # accelerate pickles the sampler object itself; a shallow copy freezes its epoch and seed.
@@ -150,8 +186,11 @@ class CheckpointSaver:
     asynchronous save): the commit point. False refuses it: the writer's directory is removed and
     ``checkpoint_fenced`` reported. ``on_event(name, fields)`` receives
     ``checkpoint_committed`` (rank 0: step, blocking_s, total_s, path, asynchronous), ``checkpoint_failed`` (the
-    rank whose write failed, and rank 0: step, error, errno, path, os_error) and ``checkpoint_fenced`` (rank 0:
-    step), possibly from the writer thread.
+    rank whose write failed, and rank 0: step, error, errno, path, os_error), ``checkpoint_fenced`` (rank 0:
+    step) and ``checkpoint_abandoned`` (each rank whose write was handed over unsealed: step, the rank it wrote
+    as, whether it was the one to commit, path, reason), possibly from the writer thread. ``sweep()`` is called on
+    rank 0 after a re-formation in place, once every rank's earlier write has ended, to remove the directories of
+    writers lost with the old group.
 
     A failed save never stops training: its directory is removed at once (the space is given back), every rank
     abandons it, and the next save starts afresh; only a directory the fence may already have recorded is kept (the
@@ -167,6 +206,7 @@ class CheckpointSaver:
         *,
         fence: Fence | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        sweep: Callable[[], None] | None = None,
         commit_timeout_s: float = 300,
     ) -> None:
         if accelerator.project_configuration.automatic_checkpoint_naming:
@@ -176,8 +216,12 @@ class CheckpointSaver:
         self._store = store
         self._fence = fence
         self._on_event = on_event
+        self._sweep = sweep
         self._commit_timeout_s = commit_timeout_s
         self._writer: threading.Thread | None = None
+        self._job: _Job | None = None  # the background write of self._writer
+        # a re-formation in place happened since the last sweep (the same on every rank: every member re-formed)
+        self._regrouped = False
         self._host = _HostCopy()
         # partial dirs of failed saves that could not be removed then (read-only, or a rank still writing into it)
         self._leftovers: set[Path] = set()
@@ -194,6 +238,10 @@ class CheckpointSaver:
         host memory; the write and commit follow in the background and a failure there is only reported. Under FSDP,
         DeepSpeed, Megatron-LM or XLA an asynchronous save is done blocking."""
         self.wait()
+        if self._regrouped:
+            self._regrouped = False
+            self._acc.wait_for_everyone()  # every rank's write from before the re-formation has ended
+            self._sweep_lost()
         self._sweep_leftovers(step)
         self._sealed = None
         start = time.monotonic()
@@ -214,10 +262,27 @@ class CheckpointSaver:
         decided (committed, fenced or failed) when it returns, so every rank then sees the same latest checkpoint."""
         if self._writer is not None:
             self._writer.join()
-            self._writer = None
+            self._writer, self._job = None, None
         self._host.recycle()
         if everyone:
             self._acc.wait_for_everyone()
+            if self._regrouped:
+                self._regrouped = False
+                self._sweep_lost()
+
+    def regroup(self) -> None:
+        """The group re-formed in place (call it before the new token is adopted): hand the background write over.
+
+        It goes on as the old group's, never the new one's: sealed, it is committed or fenced under its own token;
+        not yet, it is abandoned at its next step (writing its files, waiting for a lost rank's marker) and its
+        directory removed. Returns at once: a write in flight does not hold up the recovery."""
+        if self._job is not None:
+            self._job.handed_over.set()
+        self._regrouped = True
+
+    def _sweep_lost(self) -> None:
+        if self._sweep is not None and self._acc.is_main_process:
+            self._sweep()
 
     def close(self) -> None:
         """Wait for the background write and free the host memory kept for the next snapshot."""
@@ -245,7 +310,7 @@ class CheckpointSaver:
                 outcome: list[Any] = [False, None, False]
                 if acc.is_main_process:
                     try:
-                        outcome = [self._commit(step, meta, start, None), None, False]
+                        outcome = [self._commit(self._store, step, meta, start, None), None, False]
                     except Exception as exc:
                         failure, outcome = exc, [False, repr(exc), self._sealed == step]
                 # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how
@@ -254,24 +319,32 @@ class CheckpointSaver:
                     return bool(committed)
                 if sealed:
                     self._sealed = step
-        error = self._failed(step, failure)
+        error = self._failed(step, failure, self._store.partial_path(step), acc.is_main_process)
         raise CheckpointFailedError(step, error)
 
     def _start_write(self, step: int, meta: dict[str, Any], start: float) -> None:
         acc = self._acc
-        partial = self._store.partial_path(step)
-        failure = _attempt(self._store.begin, step) if acc.is_main_process else None
+        job = _Job(
+            step,
+            self._store.pinned(),
+            int(acc.process_index),
+            int(acc.num_processes),
+            bool(acc.is_main_process),
+            bool(acc.project_configuration.save_on_each_node),
+        )
+        failure = _attempt(job.store.begin, step) if job.main else None
         state, custom, rng = self._snapshot()
         # the one collective of an async save: rank 0's fresh dir exists before any write, or nobody writes
         if not self._everyone_ok(failure is None):
-            self._failed(step, failure)
+            self._failed(step, failure, job.partial, job.main)
             return
         for hook in acc._save_model_state_pre_hook.values():  # as save_state does; a hook may edit the weights
-            hook(acc._models, state["model_states"], str(partial))
+            hook(acc._models, state["model_states"], str(job.partial))
         acc.project_configuration.iteration += 1
-        args = (state, custom, rng, step, meta, start, time.monotonic() - start)
+        args = (job, state, custom, rng, meta, start, time.monotonic() - start)
         # A daemon: a writer waiting for a dead rank's marker must not hold up this process's exit.
         self._writer = threading.Thread(target=self._write, args=args, name=f"elasticd-checkpoint-{step}", daemon=True)
+        self._job = job
         self._writer.start()
 
     def _snapshot(self) -> tuple[dict[str, Any], list[_Frozen], dict[str, Any]]:
@@ -292,32 +365,40 @@ class CheckpointSaver:
         return state, [_Frozen(host(o.state_dict())) for o in custom], _rng_state(acc.step)
 
     def _write(
-        self, state: dict[str, Any], custom: list[_Frozen], rng: dict[str, Any], step: int, meta: dict[str, Any],
+        self, job: _Job, state: dict[str, Any], custom: list[_Frozen], rng: dict[str, Any], meta: dict[str, Any],
         start: float, blocking_s: float,
     ) -> None:  # fmt: skip
-        acc = self._acc
-        partial = self._store.partial_path(step)
-        each_node = acc.project_configuration.save_on_each_node
+        step, partial, each_node = job.step, job.partial, job.each_node
         try:
-            save_accelerator_state(str(partial), **state, process_index=acc.process_index, save_on_each_node=each_node)
+            save_accelerator_state(str(partial), **state, process_index=job.rank, save_on_each_node=each_node)
             for index, obj in enumerate(custom):
                 save_custom_state(obj, str(partial), index, save_on_each_node=each_node)
             # save_accelerator_state wrote the RNG of this moment, mid-training; resuming needs the snapshot's.
-            torch.save(rng, partial / f"{RNG_STATE_NAME}_{acc.process_index}.pkl")
+            torch.save(rng, partial / f"{RNG_STATE_NAME}_{job.rank}.pkl")
             self._emit(WRITTEN, step=step)
-            (partial / done_marker(acc.process_index)).touch()  # rank 0 commits once it sees every rank's
-            if acc.is_main_process:
-                self._await_markers(partial, acc.num_processes)
-                self._commit(step, meta, start, blocking_s)
+            job.check()  # no marker after a hand-over: rank 0 cannot seal what this rank gives up
+            (partial / done_marker(job.rank)).touch()  # rank 0 commits once it sees every rank's
+            if job.main:
+                self._await_markers(job)
+                job.check()  # the last moment to give up: once sealed, the fence decides
+                self._commit(job.store, step, meta, start, blocking_s)
+        except _HandedOverError as exc:
+            self._abandon(job, str(exc))
         except Exception as exc:  # a thread has no caller to raise to: the failure is an event
             # the dir vanished under this write: a rank whose own write failed removed it (torch then says only
-            # "Parent directory ... does not exist"); that rank reports the cause
-            self._failed(step, exc if partial.is_dir() else _PeerFailedError(PEER_FAILED))
+            # "Parent directory ... does not exist"); that rank reports the cause. After a hand-over it may also
+            # be a rank that abandoned it: that rank said so.
+            if job.handed_over.is_set() and not partial.is_dir():
+                self._abandon(job, REGROUPED)
+            else:
+                self._failed(step, exc if partial.is_dir() else _PeerFailedError(PEER_FAILED), partial, job.main)
 
-    def _await_markers(self, partial: Path, world_size: int) -> None:
-        markers = [partial / done_marker(rank) for rank in range(world_size)]
+    def _await_markers(self, job: _Job) -> None:
+        partial = job.partial
+        markers = [partial / done_marker(rank) for rank in range(job.world_size)]
         deadline = time.monotonic() + self._commit_timeout_s
         while missing := [m.name for m in markers if not m.exists()]:
+            job.check()  # a rank lost with the old group never writes its marker
             if not partial.is_dir():  # a rank whose write failed removed it: no marker is coming
                 raise _PeerFailedError(PEER_FAILED)
             if time.monotonic() > deadline:
@@ -326,15 +407,17 @@ class CheckpointSaver:
         for marker in markers:
             marker.unlink()
 
-    def _commit(self, step: int, meta: dict[str, Any], start: float, blocking_s: float | None) -> bool:
-        """Rank 0: commit the written files; False when the fence refused them."""
+    def _commit(
+        self, store: CheckpointStore, step: int, meta: dict[str, Any], start: float, blocking_s: float | None
+    ) -> bool:
+        """Rank 0: commit the files ``store``'s writer wrote; False when the fence refused them."""
         fence = self._fence
 
         def sealed(record: CheckpointRecord) -> bool:
             self._emit(SEALED, step=step)
             return fence is None or fence(record)
 
-        committed = self._store.commit(step, meta, sealed)
+        committed = store.commit(step, meta, sealed)
         if committed is None:
             self._emit(FENCED, step=step)
             return False
@@ -358,13 +441,12 @@ class CheckpointSaver:
         failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=acc.device)
         return int(acc.reduce(failed, reduction="sum").item()) == 0
 
-    def _failed(self, step: int, failure: BaseException | None) -> str:
-        """Abandon the save of ``step`` on this rank: remove its partial dir and report why; the error text.
+    def _failed(self, step: int, failure: BaseException | None, partial: Path, main: bool) -> str:
+        """Abandon the save of ``step`` into ``partial`` on this rank: remove the dir and report why; the error text.
 
-        The rank whose own write failed reports its error; the other ranks stay quiet, except rank 0 (the one that
-        would have committed), which reports a peer's failure. Removing the dir is also how a failed rank tells
-        rank 0's writer, waiting for its marker, not to wait."""
-        partial = self._store.partial_path(step)
+        The rank whose own write failed reports its error; the other ranks stay quiet, except rank 0 (``main``: the
+        one that would have committed), which reports a peer's failure. Removing the dir is also how a failed rank
+        tells rank 0's writer, waiting for its marker, not to wait."""
         peer = failure is None or isinstance(failure, _PeerFailedError)
         fields: dict[str, Any] = {}
         if not peer:
@@ -376,9 +458,19 @@ class CheckpointSaver:
             if partial.exists():
                 self._leftovers.add(partial)
         error = PEER_FAILED if peer else repr(failure)
-        if not peer or self._acc.is_main_process:
+        if not peer or main:
             self._emit(FAILED, step=step, error=error, **fields)
         return error
+
+    def _abandon(self, job: _Job, reason: str) -> None:
+        """Give up a handed-over write before its seal: nothing of it can be committed, so its directory goes (which
+        also releases the old rank 0's writer if it waits for this rank's marker)."""
+        shutil.rmtree(job.partial, ignore_errors=True)
+        if job.partial.exists():
+            self._leftovers.add(job.partial)
+        self._emit(
+            ABANDONED, step=job.step, old_rank=job.rank, committer=job.main, path=str(job.partial), reason=reason
+        )
 
     def _sweep_leftovers(self, step: int) -> None:
         """Try again to remove what failed saves left; never the dir of ``step``, which rank 0 may be making now."""
@@ -405,6 +497,10 @@ class CheckpointSaver:
 
 class _PeerFailedError(Exception):
     """Rank 0's writer found the partial dir removed by a rank whose own write failed."""
+
+
+class _HandedOverError(Exception):
+    """The group re-formed in place before this write was sealed: it is abandoned."""
 
 
 def _attempt(action: Callable[..., Any], *args: Any) -> Exception | None:

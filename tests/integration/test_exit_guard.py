@@ -20,6 +20,8 @@ from tests.helpers import free_port
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "given_up_at_exit.py"
+# What the script writes to --write's file without flushing it (scripts/given_up_at_exit.py's WRITTEN).
+WRITTEN = "written by the script, never flushed\n"
 
 
 def _run(*flags: str) -> tuple[int, str]:
@@ -61,5 +63,26 @@ def test_an_exception_that_escapes_the_script_still_ends_it_with_status_1() -> N
     code, out = _run("--raise")
     assert code == 1, out
     assert "the script failed after run.close()" in out, out  # the traceback, printed as Python does
+    assert "another exit handler ran" in out, out
+    assert "terminate called" not in out, out
+
+
+@pytest.mark.parametrize("how", ["sys.exit", "raise"])
+def test_the_guard_keeps_the_status_a_system_exit_gave_and_flushes_a_file_the_script_never_flushed(
+    tmp_path: Path, how: str
+) -> None:
+    written = tmp_path / "unflushed.txt"
+    code, out = _run("--exit", f"{how}:3", "--write", str(written))
+    assert code == 3, out
+    assert written.read_text() == WRITTEN, out
+    assert "teardown_skipped_at_exit" in out and "another exit handler ran" in out, out
+    assert "terminate called" not in out, out
+
+
+def test_a_fallback_exit_runs_the_exit_handlers_flushes_files_and_exits_with_its_own_code(tmp_path: Path) -> None:
+    written = tmp_path / "unflushed.txt"
+    code, out = _run("--fallback", "5", "--write", str(written))
+    assert code == 5, out
+    assert written.read_text() == WRITTEN, out
     assert "another exit handler ran" in out, out
     assert "terminate called" not in out, out

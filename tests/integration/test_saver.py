@@ -82,11 +82,17 @@ WORKER = textwrap.dedent(
             raise RuntimeError(f"etcd unreachable at step {record.step}")
         return False
 
+    def on_event(name, fields):
+        emit(event=name, **fields)
+        if mode == "handover" and name == "checkpoint_written" and rank == 1:
+            time.sleep(float(os.environ["SLOW_WRITE_SLEEP_S"]))  # rank 1's marker never comes, as a lost rank's
+
     saver = CheckpointSaver(
         accelerator,
         store,
         fence=fence if mode == "fenced" else None,
-        on_event=lambda name, fields: emit(event=name, **fields),
+        on_event=on_event,
+        commit_timeout_s=60 if mode == "handover" else 300,
     )
     train()
     if mode == "roundtrip":
@@ -127,6 +133,15 @@ WORKER = textwrap.dedent(
         saver.save(2, {}, asynchronous=True)
         emit(snapshot_returned=2)
         train(100_000)  # until rank 0 is killed
+    elif mode == "handover":  # the group re-forms in place while rank 0 waits for rank 1's marker
+        saver.save(1, {}, asynchronous=True)
+        time.sleep(2.0)  # rank 0's writer is waiting for the marker by now
+        started = time.monotonic()
+        saver.regroup()
+        if rank == 1:
+            os._exit(0)  # its writer sleeps on: nothing to wait for
+        saver.wait()
+        emit(waited_s=time.monotonic() - started)
     elif mode == "load":  # one plain process, after the crash
         cp = store.latest_loadable(lambda cp, reason: emit(bad=cp.step, reason=reason))
         saver.load(cp)
@@ -173,6 +188,12 @@ def finish(process: subprocess.Popen[bytes], output: Path) -> list[dict[str, Any
     return lines(output)
 
 
+def run_mode(tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str) -> list[dict[str, Any]]:
+    """Run the worker script in ``mode`` on two ranks to a successful end; what it printed."""
+    output = start(tmp_path, processes, mode)
+    return finish(processes[-1], output)
+
+
 def store(tmp_path: Path) -> CheckpointStore:
     return CheckpointStore(tmp_path / "ckpt", "run")
 
@@ -181,8 +202,7 @@ def store(tmp_path: Path) -> CheckpointStore:
 def test_blocking_and_background_saves_write_save_state_files_that_reload_to_the_saved_state(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
-    output = start(tmp_path, processes, "roundtrip")
-    records = finish(processes[0], output)
+    records = run_mode(tmp_path, processes, "roundtrip")
     loaded = sorted((r["rank"], r["loaded"], r["equal"]) for r in records if "loaded" in r)
     assert loaded == [(rank, step, True) for rank in (0, 1) for step in (1, 2, 3, 4)]
     committed = {r["step"]: r for r in records if r.get("event") == "checkpoint_committed"}
@@ -206,8 +226,7 @@ def test_blocking_and_background_saves_write_save_state_files_that_reload_to_the
 def test_refused_fence_commits_nothing_and_a_failing_fence_is_reported_without_hanging_other_ranks(
     tmp_path: Path, processes: list[subprocess.Popen[bytes]]
 ) -> None:
-    output = start(tmp_path, processes, "fenced")
-    records = finish(processes[0], output)
+    records = run_mode(tmp_path, processes, "fenced")
     events = sorted(
         (r["event"], r["step"], r["rank"]) for r in records if r.get("event", WRITTEN) not in (WRITTEN, SEALED)
     )
@@ -249,3 +268,16 @@ def test_rank0_killed_during_background_write_leaves_previous_checkpoint_latest_
     load_output = start(tmp_path, processes, "load", ranks=1)
     records = finish(processes[1], load_output)
     assert [(r["loaded"], r["equal"]) for r in records if "loaded" in r] == [(1, True)]
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_a_write_handed_over_while_rank0_waits_for_a_lost_ranks_marker_is_abandoned_at_once(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    records = run_mode(tmp_path, processes, "handover")
+    [waited] = [r["waited_s"] for r in records if "waited_s" in r]
+    assert waited < 10, records  # not the 60 s commit timeout
+    abandoned = [r for r in records if r.get("event") == "checkpoint_abandoned"]
+    assert [(r["rank"], r["step"], r["committer"]) for r in abandoned] == [(0, 1, True)], records
+    assert not [r for r in records if r.get("event") in ("checkpoint_failed", "checkpoint_committed")]
+    assert not list((tmp_path / "ckpt" / "run").glob("*.partial")) and store(tmp_path).committed() == []

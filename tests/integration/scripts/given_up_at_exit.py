@@ -5,8 +5,11 @@ never joins, gives the step up (as a failure notice does), closes the hook as ``
 closes its connections (exits) only once rank 0 is tearing its interpreter down: a finaliser that runs in that
 teardown tells it to, then holds the teardown open, so the given-up collective fails in gloo's thread right then.
 
-argv: PORT RANK [--no-guard] [--raise]: without the guard the process aborts; ``--raise`` lets an exception
-escape the script at its end
+argv: PORT RANK [--no-guard] [--raise] [--exit HOW:N] [--write PATH] [--fallback N]: without the guard the process
+aborts; ``--raise`` lets an exception escape the script at its end; ``--exit sys.exit:3`` ends it with
+``sys.exit(3)`` (``raise:3``: ``raise SystemExit(3)``); ``--write`` opens PATH and writes a line to it, never flushed
+or closed (the interpreter's teardown would flush it); ``--fallback 5`` ends the script as the hot path's fallback
+exits do (``exit_guard.exit_now(5)``) instead of through the guard
 """
 
 from __future__ import annotations
@@ -27,6 +30,13 @@ from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
 from elasticd.worker.hot.failure import StepHealth
 
 port, rank = int(sys.argv[1]), int(sys.argv[2])
+
+
+def flag(name: str) -> str | None:
+    return sys.argv[sys.argv.index(name) + 1] if name in sys.argv else None
+
+
+WRITTEN = "written by the script, never flushed\n"
 store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
 group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
 if rank == 1:
@@ -65,10 +75,20 @@ future.wait()  # completed unreduced: the collective is given up on, still pendi
 hook.close()
 pending = hook.pending_given_up()
 print(f"pending given-up collectives: {pending}", flush=True)
-if pending and "--no-guard" not in sys.argv:
+if pending and "--no-guard" not in sys.argv and flag("--fallback") is None:
     exit_guard.install(lambda event, **fields: print(event, fields, flush=True), pending=pending)
 atexit.register(lambda: print("another exit handler ran", flush=True))
 in_teardown = InTeardown(store)
+if (path := flag("--write")) is not None:
+    unflushed = open(path, "w")  # noqa: SIM115  # held open to the end, as a script's log file may be
+    unflushed.write(WRITTEN)
 print("script ends", flush=True)
+if (fallback := flag("--fallback")) is not None:
+    exit_guard.exit_now(int(fallback))
 if "--raise" in sys.argv:
     raise RuntimeError("the script failed after run.close()")
+if (how := flag("--exit")) is not None:
+    kind, code = how.split(":")
+    if kind == "sys.exit":
+        sys.exit(int(code))
+    raise SystemExit(int(code))
