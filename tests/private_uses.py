@@ -42,6 +42,7 @@ ACCESSORS = ("getattr", "setattr", "hasattr", "delattr")
 STDLIB = {
     "os._exit": "leave at once, without atexit handlers or flushing, from a process that must not linger",
     "atexit._run_exitfuncs": "run the atexit handlers ourselves before os._exit (exit_guard.py)",
+    "sys._getframe": "the script's outermost frame, traced for the SystemExit that ends it (exit_guard.py)",
     "_fields": "namedtuple's documented API (its fields, to rebuild one)",
 }
 _PRIVATE_WORD = re.compile(r"\b_[A-Za-z0-9]\w*\b")
