@@ -212,7 +212,7 @@ def thread_cpu_s() -> dict[str, float]:
 def instrument(pieces: dict[str, list[float]], loop: list[str]) -> None:
     """Wrap the parts of elasticd's step in timers that append their wall times (s) to ``pieces``, by the name of the
     loop running (``loop[0]``: the cold and the hot loop call the same library functions) and of the part."""
-    from elasticd.worker import guard
+    from elasticd.worker import guard, step_beats
     from elasticd.worker.beats import BeatClient
     from elasticd.worker.coordination import Coordinator
     from elasticd.worker.hot.comm_hook import ResilientAllReduce
@@ -238,7 +238,7 @@ def instrument(pieces: dict[str, list[float]], loop: list[str]) -> None:
     wrap(Run, "step", "run.step, all of it")
     wrap(BeatClient, "send", "run.step: beat send")
     wrap(TrainingState, "advanced", "run.step: state.advanced")
-    wrap(Run, "_loss_value", "run.step: loss.item()")
+    wrap(step_beats, "loss_value", "run.step: loss.item()")
     wrap(Coordinator, "at_step", "run.step: coordinator.at_step")
     wrap(Coordinator, "_agree", "coordinator all-reduce (at sync steps)")
     wrap(ElasticSampler, "_step", "batches: sampler step slice")

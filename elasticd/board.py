@@ -15,10 +15,12 @@ two reads agree, so it never mixes two updates either.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -112,6 +114,17 @@ class SlotWriter:
         self.phase = phase
         self.progress_t = time.monotonic()
         self._write()
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """The script's own long work between steps (``run.busy()``): the phase the watchdog gives the start-up
+        allowance, then back to where it was."""
+        previous = self.phase
+        self.set_phase(Phase.BUSY)
+        try:
+            yield
+        finally:
+            self.set_phase(Phase.TRAINING if previous is Phase.BUSY else previous)
 
     def enter(self, step: int) -> None:
         self.entered_step = step

@@ -159,23 +159,7 @@ class EtcdClient:
 
         def attempt() -> EtcdClient:
             if not clients:
-                try:
-                    raw = pyetcd.MultiEndpointEtcd3Client(
-                        endpoints=[_pyetcd_endpoint(e, creds, len(endpoints)) for e in endpoints],
-                        timeout=attempt_timeout_s,
-                        user=user,
-                        password=password,
-                        failover=True,
-                    )
-                except _RPC_ERRORS as exc:  # authentication happens in the constructor
-                    error = _translate("authenticate", text, exc)
-                    if on_error is not None:
-                        on_error(error)
-                    raise _access_error(error, text) or error from None
-                if creds is None:
-                    # gRPC never sends call credentials over a channel without TLS; the token also travels as
-                    # plain metadata, which is what etcd reads (loopback, or a network the operator trusts).
-                    raw.call_credentials = None
+                raw = _raw_client(endpoints, creds, attempt_timeout_s, user, password, on_error)
                 login = (user, password) if user is not None and password is not None else None
                 clients.append(cls(raw, endpoints, on_error, login=login, reconnect=again))
             client = clients[0]
@@ -453,6 +437,36 @@ class EtcdClient:
             return str(self._raw.endpoint_in_use.netloc)
         except Exception:  # the label is only for the message; never let it hide the real error
             return format_endpoints(list(self._endpoints))
+
+
+def _raw_client(
+    endpoints: Sequence[Endpoint],
+    creds: grpc.ChannelCredentials | None,
+    timeout_s: float,
+    user: str | None,
+    password: str | None,
+    on_error: ErrorHook | None,
+) -> pyetcd.MultiEndpointEtcd3Client:
+    """pyetcd's client over ``endpoints``, failing over between them; it logs in here when given a user."""
+    try:
+        raw = pyetcd.MultiEndpointEtcd3Client(
+            endpoints=[_pyetcd_endpoint(e, creds, len(endpoints)) for e in endpoints],
+            timeout=timeout_s,
+            user=user,
+            password=password,
+            failover=True,
+        )
+    except _RPC_ERRORS as exc:  # authentication happens in the constructor
+        text = format_endpoints(list(endpoints))
+        error = _translate("authenticate", text, exc)
+        if on_error is not None:
+            on_error(error)
+        raise _access_error(error, text) or error from None
+    if creds is None:
+        # gRPC never sends call credentials over a channel without TLS; the token also travels as plain metadata,
+        # which is what etcd reads (loopback, or a network the operator trusts).
+        raw.call_credentials = None
+    return raw
 
 
 def _check_prefix(prefix: str) -> None:

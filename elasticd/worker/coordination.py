@@ -22,12 +22,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elasticd.board import Phase, SlotWriter
 from elasticd.worker.hot.backend import keep_forever
 
 # Seconds of training between sync points; the all-reduce overlaps training, its launch costs a few µs.
 TARGET_SYNC_S = 0.25
 MAX_INTERVAL_STEPS = 1000
 REQUEST_SIGNAL = signal.SIGUSR2
+# Seconds a worker waits, after the checkpoint its daemon asked for, to be stopped for the planned change. Past it
+# the change was called off (its daemon died, say) and training goes on.
+PARK_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +160,14 @@ class Coordinator:
             agreed = (values[0] > 0, values[1] > 0, max(1, int(values[2])), values[3] > 0)
         self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True), flags)
         return agreed
+
+
+def park(slot: SlotWriter, log: Any, step: int, timeout_s: float = PARK_TIMEOUT_S) -> None:
+    """After a requested checkpoint: wait to be stopped for the planned change (see :data:`PARK_TIMEOUT_S`)."""
+    log.info("parked", step=step)
+    slot.set_phase(Phase.PARKED)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+    log.warning("park_timeout", step=step)
+    slot.set_phase(Phase.TRAINING)

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from elasticd import envvars
+from elasticd.worker.sampler import StepSlice
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,16 @@ class FaultInjector:
 
     def nan_at(self, step: int) -> bool:
         return any(f.covers(step) for f in self._of("nan") if not f.samples)
+
+    def poisoned(self, step: int, step_slice: StepSlice | None, micro_index: int) -> bool:
+        """Is this micro-batch of ``step`` to become NaN (by step, or because it holds a poisoned sample)?"""
+        if self.nan_at(step):
+            return True
+        if step_slice is None or not self.poisons_samples:
+            return False
+        micro = step_slice.micro_batches[micro_index]
+        real = [i for i, valid in zip(micro.indices, micro.valid, strict=True) if valid]
+        return self.nan_samples(step_slice.epoch, real)
 
     def nan_samples(self, epoch: int, indices: Iterable[int]) -> bool:
         """True when a micro-batch of ``epoch`` holding these (real, not padding) dataset indices is to be poisoned."""

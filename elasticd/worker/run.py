@@ -26,53 +26,37 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 import structlog
 import torch
-from accelerate.utils import broadcast_object_list
 
 from elasticd.board import NullSlotWriter, Phase, SlotWriter
-from elasticd.errors import EXIT_RESIZE, EXIT_USAGE, ConfigError
 from elasticd.layout import slot_path
 from elasticd.logging import configure_logging, get_logger
 from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.privates.check import check_worker
 from elasticd.privates.surface import Fallback
-from elasticd.worker.batching import BatchConstraint, BatchPlan, BatchPlanError, plan_batches
+from elasticd.worker import resume_point
+from elasticd.worker.batch_tensors import poison, to_device
+from elasticd.worker.batching import BatchPlan
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
-from elasticd.worker.coordination import Coordinator
+from elasticd.worker.coordination import Coordinator, park
 from elasticd.worker.diagnostics import WorkerDiagnostics
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.fence import EtcdFence
 from elasticd.worker.guard import NonFiniteGuard, Verdict
 from elasticd.worker.hot_path import HotPath
+from elasticd.worker.own_time import OwnTime
+from elasticd.worker.planning import Planner, TrainingStopped
 from elasticd.worker.sampler import ElasticSampler, StepSlice, micro_batch_loader
-from elasticd.worker.saver import (
-    ABANDONED,
-    FAILED,
-    FENCED,
-    SEALED,
-    WRITTEN,
-    CheckpointFailedError,
-    CheckpointSaver,
-)
+from elasticd.worker.save_events import SaveEvents
+from elasticd.worker.saver import CheckpointFailedError, CheckpointSaver
 from elasticd.worker.settings import WorkerSettings
 from elasticd.worker.state import TrainingState
-
-# Seconds a worker waits, after the checkpoint its daemon asked for, to be stopped for the planned change. Past it
-# the change was called off (its daemon died, say) and training goes on.
-PARK_TIMEOUT_S = 120.0
-# Seconds between two step beats: steps shorter than this are reported in batches (the samples add up), so a 20 ms
-# step pays for a beat (~0.1 ms) and a loss.item() (a device sync on a GPU) only every dozen steps.
-BEAT_INTERVAL_S = 0.25
-
-
-class TrainingStopped(SystemExit):
-    """The run must stop (non-finite steps beyond the policy): exits the worker with code 1 and the message."""
+from elasticd.worker.step_beats import StepBeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +68,14 @@ class ElasticLoader:
     sampler: ElasticSampler
     collate_fn: Any = None
     num_workers: int = 0
+
+    def for_plan(self, plan: BatchPlan, rank: int) -> ElasticLoader:
+        """The same loader (dataset, order, position rule) planned for another world, as ``rank`` of it."""
+        old = self.sampler
+        sampler = ElasticSampler(
+            old.dataset_len, plan, rank, shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last
+        )
+        return replace(self, plan=plan, sampler=sampler)
 
 
 class Run:
@@ -104,6 +96,7 @@ class Run:
         self.diagnostics = WorkerDiagnostics(board, self.settings.local_rank, self.slot) if board else None
         self.faults = FaultInjector.from_env(self.rank)
         self.guard = NonFiniteGuard(self.settings.on_nan)
+        self.planner = Planner(self.settings, self.beats)
         self.coordinator = Coordinator(
             rank=self.rank,
             world_size=self.world_size,
@@ -112,8 +105,13 @@ class Run:
         )
         # under a daemon: commits are recorded in the run's lineage, and only what it records is ever loaded
         self.fence = EtcdFence(s.etcd_connect_args, s.run_id) if s.etcd and s.fence_token else None
+        self.save_events = SaveEvents(lambda: self.log, self.beats, self.faults)
         self.saver = CheckpointSaver(
-            accelerator, self.store, fence=self.fence, on_event=self._on_save_event, sweep=self._sweep_lost_writers
+            accelerator,
+            self.store,
+            fence=self.fence,
+            on_event=self.save_events,
+            sweep=lambda: resume_point.sweep_lost_writers(self.store, self.fence, self.log),
         )
         if not structlog.is_configured():
             configure_logging(stdlib=False)
@@ -126,21 +124,15 @@ class Run:
         self._generation = 0  # bumped by a rollback: batches() restarts from the rolled-back position
         self._step_started = time.perf_counter()
         self._loss: Any = None
-        self._last_beat = -BEAT_INTERVAL_S
-        self._unreported_samples = 0
-        self._unreported_train_s = 0.0
-        self._unreported_own_s = 0.0
-        self._unreported_steps = 0
-        # this step's time that waits for no other rank: the library's data work and the model's forward passes
-        self._own_s = 0.0
-        self._forward_started = 0.0
+        self.step_beats = StepBeats(self.beats)
+        self.own_time = OwnTime()
         # recovery in place (--recovery hot): armed by resume(), None when off or unsupported (then: cold restarts)
         self.hot: HotPath | None = None
         self._loaders: list[ElasticLoader] = []  # every loader made by dataloader(), by identity
         self._replanned: dict[int, ElasticLoader] = {}  # id(original) -> the same loader planned for the new world
         # (a joiner does not: the group it joins may be writing a checkpoint right now)
         if self.accelerator.is_main_process and self.settings.join_round is None:
-            self._remove_partials()
+            resume_point.remove_partials(self.store, self.fence)
         self.accelerator.wait_for_everyone()
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -158,27 +150,7 @@ class Run:
         num_workers: int = 0,
     ) -> ElasticLoader:
         """A loader whose global batch stays ``global_batch_size`` at any world size (accumulation adapts)."""
-        s = self.settings
-        try:
-            plan = plan_batches(
-                global_batch_size,
-                micro_batch_size,
-                self.world_size,
-                nproc_per_node=s.nproc_per_node,
-                min_nodes=s.min_nodes,
-                max_nodes=s.max_nodes,
-            )
-        except BatchPlanError as exc:
-            self._resize_or_stop(exc)
-        except ConfigError as exc:
-            # A restart would fail the same way: tell the daemon to stop the run with the usage exit code.
-            self.beats.send(Kind.FATAL, reason=FatalReason.CONFIG, message=str(exc), exit_code=EXIT_USAGE)
-            raise TrainingStopped(f"elasticd: error: {exc}") from None
-        # the daemons decide from it which node counts train when a node comes or goes (agent/spares.py)
-        self.beats.send(
-            Kind.BATCH_PLAN,
-            **BatchConstraint(plan.global_batch_size, plan.micro_batch_size, s.nproc_per_node).to_json(),
-        )
+        plan = self.planner.plan(global_batch_size, micro_batch_size, self.world_size, self.log)
         self.plan = plan
         self._seed = seed
         self.accelerator.gradient_accumulation_steps = plan.accumulation
@@ -187,21 +159,10 @@ class Run:
         self._loaders.append(loader)
         return loader
 
-    def _resize_or_stop(self, error: BatchPlanError) -> NoReturn:
-        """This world does not split the global batch. Under a daemon, when another node count of the range does,
-        report the constraint and exit for the daemons to re-form with spares; otherwise the run cannot go on."""
-        if error.fitting_nodes and self.beats.enabled:
-            constraint = BatchConstraint(error.global_batch_size, error.micro_batch_size, self.settings.nproc_per_node)
-            self.beats.send(Kind.BATCH_PLAN, **constraint.to_json())
-            self.log.warning("resize_requested", world_size=self.world_size, fitting_nodes=list(error.fitting_nodes))
-            raise SystemExit(EXIT_RESIZE)
-        self.beats.send(Kind.FATAL, reason=FatalReason.CONFIG, message=str(error), exit_code=EXIT_USAGE)
-        raise TrainingStopped(f"elasticd: error: {error}") from None
-
     def resume(self, model: Any, optimizer: Any, scheduler: Any = None) -> TrainingState:
         """Load the newest committed checkpoint that verifies (a no-op on a fresh run) and arm the guard."""
         self.guard.install(optimizer, model.parameters)
-        self._time_forward(model)
+        self.own_time.time_forward(model)
         if scheduler is not None:
             # once per optimizer step whatever the world size (accelerate would step it W times)
             scheduler.split_batches = True
@@ -227,55 +188,9 @@ class Run:
         return self.state
 
     def _resume_point(self) -> Checkpoint | None:
-        """The checkpoint every rank loads: chosen once, by rank 0, and broadcast (a collective call).
-
-        Under a daemon it is the newest checkpoint the run's lineage records that verifies; if etcd cannot be read,
-        the newest verified committed directory on disk (only recorded commits are ever renamed to ``step-N``).
-        Without a daemon, the newest on disk. Each file is hashed once, by rank 0, not by every rank.
-        """
-        chosen: list[Any] = [None]
-        if self.accelerator.is_main_process:
-            records = self.fence.records() if self.fence is not None else None
-            if self.fence is not None and records is None:
-                self.log.warning("lineage_unavailable", fallback="newest verified checkpoint on disk")
-            if records is None:
-                found = self.store.latest_loadable(on_bad=self._bad_checkpoint)
-            else:
-                found = self.store.resolve(records, on_bad=self._bad_checkpoint)
-            chosen[0] = None if found is None else (found.step, str(found.path))
-        if self.world_size > 1:
-            chosen = broadcast_object_list(chosen, from_process=0)
-        return None if chosen[0] is None else Checkpoint(int(chosen[0][0]), Path(chosen[0][1]))
-
-    def _remove_partials(self) -> list[Path]:
-        """Rank 0 at start: other writers' directories go, except a recorded commit not yet rolled forward; the
-        directories removed."""
-        records = self.fence.records() if self.fence is not None else []
-        if records is None:  # etcd unreadable: a recorded commit may need its directory, so leave them all
-            return []
-        return self.store.remove_partials(keep=frozenset(r.partial for r in records))
-
-    def _sweep_lost_writers(self) -> None:
-        """Rank 0, after a re-formation in place, once every member's earlier background write has ended: what is
-        left was written by a group member that was lost (its rank 0 died before it could commit or give up)."""
-        for path in self._remove_partials():
-            self.log.warning(ABANDONED, path=str(path), reason="its writer was lost when the group re-formed in place")
-
-    def _time_forward(self, model: Any) -> None:
-        """Forward passes wait for no other rank (DDP syncs in backward): their time tells a slow rank apart."""
-        if not hasattr(model, "register_forward_pre_hook"):
-            return
-
-        def before(*_args: Any) -> None:
-            self._forward_started = time.perf_counter()
-
-        def after(*_args: Any) -> None:
-            if self._forward_started:
-                self._own_s += time.perf_counter() - self._forward_started
-                self._forward_started = 0.0
-
-        model.register_forward_pre_hook(before)
-        model.register_forward_hook(after)
+        """The checkpoint every rank loads (a collective call; ``resume_point.py``)."""
+        bad = self.save_events.bad_checkpoint
+        return resume_point.choose(self.accelerator, self.store, self.fence, self.world_size, self.log, bad)
 
     def _load(self, checkpoint: Checkpoint) -> None:
         manifest = self.saver.load(checkpoint)
@@ -291,11 +206,7 @@ class Run:
         self._micro = 0
 
     def _reseed(self) -> None:
-        """RNG streams derived from (seed, step, rank): the same for a rank whatever the world size history."""
-        seed = (self._seed * 1_000_003 + self.state.step * 7919 + self.rank) % (2**31)
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
+        reseed(self._seed, self.state.step, self.rank)
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -327,10 +238,10 @@ class Run:
                     self._slice = slices.popleft()
                     self.faults.before_step(self.state.step + 1)
                     self.slot.enter(self.state.step + 1)
-                if self._poisoned(index % accumulation):
-                    batch = _poison(batch)
-                batch = _to_device(batch, self.accelerator.device)
-                self._own_s += time.perf_counter() - started
+                if self.faults.poisoned(self.state.step + 1, self._slice, index % accumulation):
+                    batch = poison(batch)
+                batch = to_device(batch, self.accelerator.device)
+                self.own_time.add(time.perf_counter() - started)
                 index += 1
                 yield batch
                 if self._generation != generation:
@@ -339,16 +250,6 @@ class Run:
                 self.slot.set_phase(Phase.DONE)
                 self.saver.wait(everyone=True)
                 return
-
-    def _poisoned(self, micro_index: int) -> bool:
-        """Fault injection: is this micro-batch to become NaN (by step, or because it holds a poisoned sample)?"""
-        if self.faults.nan_at(self.state.step + 1):
-            return True
-        if self._slice is None or not self.faults.poisons_samples:
-            return False
-        micro = self._slice.micro_batches[micro_index]
-        real = [i for i, valid in zip(micro.indices, micro.valid, strict=True) if valid]
-        return self.faults.nan_samples(self._slice.epoch, real)
 
     def step(self, loss: Any = None) -> bool:
         """Account for one micro-batch; after the last of an optimizer step, everything an optimizer step implies.
@@ -371,26 +272,18 @@ class Run:
         self.state = self.state.advanced(step_slice.next_position())
         step = self.state.step
         verdict = self.guard.verdict(step)
-        self._unreported_samples += sum(sum(m.valid) for m in step_slice.micro_batches)
-        self._unreported_train_s += step_time_s
-        own_s, self._own_s = self._own_s, 0.0
-        self._unreported_own_s += own_s
-        self._unreported_steps += 1
+        own_s = self.own_time.take()
         self.slot.completed(step, step_time_s, own_s)
-        if now - self._last_beat >= BEAT_INTERVAL_S or verdict is not Verdict.OK:
-            self._last_beat = now
-            self.beats.send(
-                Kind.STEP,
-                step=step,
-                loss=self._loss_value(),
-                samples=self._unreported_samples,
-                step_time_s=step_time_s,
-                train_s=self._unreported_train_s,
-                own_s=self._unreported_own_s / self._unreported_steps,
-                phase="train",
-            )
-            self._unreported_samples, self._unreported_train_s = 0, 0.0
-            self._unreported_own_s, self._unreported_steps = 0.0, 0
+        samples = sum(sum(m.valid) for m in step_slice.micro_batches)
+        self.step_beats.completed(
+            step,
+            now=now,
+            samples=samples,
+            step_time_s=step_time_s,
+            own_s=own_s,
+            loss=self._loss,
+            urgent=verdict is not Verdict.OK,
+        )
         if verdict is Verdict.OK:
             self._bad.clear()
         elif verdict is not Verdict.OVERFLOW:
@@ -402,7 +295,7 @@ class Run:
         if outcome.checkpoint:
             self.save(planned=outcome.requested)
         if outcome.requested:
-            self._park()
+            park(self.slot, self.log, step)
         if outcome.admit and self.hot is not None:
             self.hot.admit()  # joiners come in at this boundary, on every rank alike
         self._step_started = time.perf_counter()
@@ -417,15 +310,7 @@ class Run:
         """The batch plan of the current loaders for ``world_size`` workers (same global batch); None without one."""
         if self.plan is None:
             return None
-        s = self.settings
-        return plan_batches(
-            self.plan.global_batch_size,
-            self.plan.micro_batch_size,
-            world_size,
-            nproc_per_node=s.nproc_per_node,
-            min_nodes=s.min_nodes,
-            max_nodes=s.max_nodes,
-        )
+        return self.planner.plan_for(self.plan.global_batch_size, self.plan.micro_batch_size, world_size)
 
     def regrouped(
         self,
@@ -444,12 +329,7 @@ class Run:
         self.beats.rank = rank  # the daemon names this worker by its rank in the group (hang diagnoses, reports)
         if plan is not None:
             self.plan = plan
-            for loader in self._loaders:
-                old = loader.sampler
-                sampler = ElasticSampler(
-                    old.dataset_len, plan, rank, shuffle=old.shuffle, seed=old.seed, drop_last=old.drop_last
-                )
-                self._replanned[id(loader)] = replace(loader, plan=plan, sampler=sampler)
+            self._replanned = {id(loader): loader.for_plan(plan, rank) for loader in self._loaders}
         self.coordinator.regroup(rank, world_size, planned=planned)
         self.saver.regroup()  # a background write in flight stays the old group's (saver.py)
         self.store.adopt_token(token)
@@ -512,12 +392,8 @@ class Run:
         The hang watchdog then allows it ``--startup-timeout`` instead of the step timeout, which it would
         otherwise take for a hang (``--hang-timeout auto`` is a few step times). Without a daemon it does nothing.
         """
-        previous = self.slot.phase
-        self.slot.set_phase(Phase.BUSY)
-        try:
+        with self.slot.busy():
             yield
-        finally:
-            self.slot.set_phase(Phase.TRAINING if previous is Phase.BUSY else previous)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -541,53 +417,8 @@ class Run:
             # the last committed checkpoint will be redone, and it says so
             self.beats.send(Kind.CHECKPOINT_SAVED, step=self.state.step, requested=True, committed=bool(committed))
 
-    def _park(self) -> None:
-        """After a requested checkpoint: wait to be stopped for the planned change (see PARK_TIMEOUT_S)."""
-        self.log.info("parked", step=self.state.step)
-        self.slot.set_phase(Phase.PARKED)
-        deadline = time.monotonic() + PARK_TIMEOUT_S
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
-        self.log.warning("park_timeout", step=self.state.step)
-        self.slot.set_phase(Phase.TRAINING)
-
-    def _on_save_event(self, event: str, fields: dict[str, Any]) -> None:
-        if event == WRITTEN:
-            self.faults.during_checkpoint(int(fields["step"]))
-            return
-        if event == SEALED:
-            self.faults.before_commit(int(fields["step"]))
-            return
-        if event == FENCED:
-            self.log.warning(event, **fields)
-        if event == ABANDONED:
-            self.log.warning(event, **fields)
-            if fields.get("committer"):  # a save its group's replaced token kept from committing: counted as fenced
-                self.beats.send(Kind.CHECKPOINT_FENCED, step=fields["step"])
-            return
-        if event == FAILED:
-            self.log.warning(
-                "checkpoint_failed",
-                step=fields.get("step"),
-                error=fields.get("error"),
-                errno=fields.get("errno"),
-                path=fields.get("path"),
-                os_error=fields.get("os_error"),
-            )
-        self.beats.send(Kind(event), **fields)  # the saver's other events are messages of these kinds
-
-    def _bad_checkpoint(self, checkpoint: Checkpoint, reason: str) -> None:
-        self.log.warning("checkpoint_unusable", path=str(checkpoint.path), reason=reason)
-        self.beats.send(Kind.CHECKPOINT_UNUSABLE, step=checkpoint.step, reason=reason)
-
     def _stepped_over(self, step_slice: StepSlice) -> None:
         self.log.info("batch_skipped", epoch=step_slice.epoch, position=step_slice.position)
-
-    def _loss_value(self) -> float | None:
-        loss = self._loss
-        if isinstance(loss, torch.Tensor):
-            return float(loss.detach().float().item())
-        return float(loss) if isinstance(loss, int | float) else None
 
     def close(self) -> None:
         """Finish the background checkpoint write; call on every rank before exit."""
@@ -613,22 +444,9 @@ def attach(accelerator: Any, settings: WorkerSettings | None = None) -> Run:
     return run
 
 
-def _poison(batch: Any) -> Any:
-    """Fault injection: every floating tensor of the batch becomes NaN, so the loss is NaN for real."""
-    if isinstance(batch, torch.Tensor):
-        return batch * float("nan") if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {k: _poison(v) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_poison(v) for v in batch)
-    return batch
-
-
-def _to_device(batch: Any, device: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
+def reseed(seed: int, step: int, rank: int) -> None:
+    """RNG streams derived from (seed, step, rank): the same for a rank whatever the world size history."""
+    derived = (seed * 1_000_003 + step * 7919 + rank) % (2**31)
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)

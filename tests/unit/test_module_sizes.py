@@ -12,12 +12,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "elasticd"
 MODULE_MAX_LINES = 600
 CLASS_MAX_LINES = 350
-# Over the limit before this test existed, outside the agent's split (issue 22 item 1): each may shrink, none may
-# grow, and an entry back under the limit must go.
-KNOWN_OVER = {
-    "elasticd/worker/run.py": 604,
-    "elasticd/worker/run.py:Run": 497,
-}
+# Modules or classes allowed over the limit, with their size: none since issue 22 split worker/run.py and its Run.
+# One that grows past the limit is split, not pinned here.
+KNOWN_OVER: dict[str, int] = {}
 
 
 def sizes(root: Path) -> tuple[dict[str, int], dict[str, int]]:
