@@ -142,6 +142,7 @@ class HotPath:
             client.close()
             return cls._unsupported(run, str(exc))
         run.coordinator.on_failure = session.hook.abort
+        run.saver.on_group_failure = session.hook.abort  # a save's collective failed: that step fails too
         run.coordinator.wants_change = lambda: session.change_wanted(run.plan_for)
         run.log.info("hot_recovery_armed", member=identity.member, epoch=session.epoch, joining=joining)
         path = cls(run, session)
@@ -175,6 +176,8 @@ class HotPath:
         """At the step boundary every member agreed on: admit the joiners waiting (heal them from rank 0), let the
         members of a leaving node go."""
         run = self.run
+        if self.session.guard.health.failed:
+            return  # a collective failed after the step (a save's): the next step re-forms first, the joiners wait
         at = time.monotonic()
         run.slot.set_phase(Phase.LOADING)
         try:

@@ -17,6 +17,11 @@ the token it started with (committed, or refused by the fence: the epoch's decis
 is abandoned (``checkpoint_abandoned``) and its directory removed, since a member lost with the old group may never
 write its part. What a lost writer left (its rank 0 died) is removed by the new group's rank 0 once every rank's old
 write has ended (``sweep``).
+
+A collective of a save itself can fail: a peer dies, or is stopped, while the ranks agree on the save. Without hot
+recovery that is the worker's end (the daemon restarts cold). With it (``on_group_failure`` set), the save is given
+up like any failed step: rank 0, the only rank that commits, removes the partial directory unless it was sealed
+(``checkpoint_abandoned``), every rank tells the hot path, and the next step boundary re-forms the group in place.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 import accelerate.utils as accelerate_utils
 import numpy as np
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import IterableDatasetShard
@@ -45,6 +51,7 @@ from elasticd.layout import done_marker
 from elasticd.lineage import CheckpointRecord
 from elasticd.messages import Kind
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
+from elasticd.worker.hot.backend import keep_forever
 
 # The events a rank's daemon hears of: the worker forwards them as messages of these kinds.
 COMMITTED = Kind.CHECKPOINT_COMMITTED
@@ -71,6 +78,8 @@ _RNG_DEVICES = ("cuda", "xpu", "mlu", "sdaa", "musa", "hpu", "neuron")
 PEER_FAILED = "another rank's write of this checkpoint failed"
 # Why a handed-over write is abandoned (the checkpoint_abandoned event's reason).
 REGROUPED = "the group re-formed in place while it was written"
+# Why a save is given up when one of its own collectives failed (hot recovery: the group re-forms next).
+GROUP_FAILED = "a collective of the save failed (a peer was lost)"
 
 
 class CheckpointFailedError(Exception):
@@ -227,6 +236,9 @@ class CheckpointSaver:
         self._leftovers: set[Path] = set()
         # the step whose record the fence was asked for: from then on a failure keeps the dir (it may be recorded)
         self._sealed: int | None = None
+        # Hot recovery sets it: a failed collective of a save is then a failed step (re-formed in place at the next
+        # step boundary), not the worker's end; it is called with the reason.
+        self.on_group_failure: Callable[[str], None] | None = None
         atexit.register(self._settle_at_exit)
 
     def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> bool | None:
@@ -252,6 +264,9 @@ class CheckpointSaver:
             return self._save_blocking(step, meta, start)
         except CheckpointFailedError:
             raise  # reported, and every rank raises it together
+        except _GroupFailedError as exc:
+            self._group_failed(step, str(exc))
+            return False
         except Exception as exc:  # outside the writes (the host snapshot, a collective): this rank cannot go on
             self._emit(FAILED, step=step, error=repr(exc))
             raise
@@ -314,7 +329,9 @@ class CheckpointSaver:
                     except Exception as exc:
                         failure, outcome = exc, [False, repr(exc), self._sealed == step]
                 # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how
-                committed, error, sealed = broadcast_object_list(outcome, from_process=0)
+                committed, error, sealed = _collective(
+                    lambda: broadcast_object_list(outcome, from_process=0), self.on_group_failure
+                )
                 if error is None:
                     return bool(committed)
                 if sealed:
@@ -439,7 +456,28 @@ class CheckpointSaver:
         if acc.num_processes == 1:
             return ok
         failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=acc.device)
-        return int(acc.reduce(failed, reduction="sum").item()) == 0
+        work = dist.all_reduce(failed, op=dist.ReduceOp.SUM, async_op=True)
+        try:
+            _collective(work.wait, self.on_group_failure)
+        except _GroupFailedError:
+            keep_forever(work)  # a failed gloo Work's destructor may throw (backend.keep_forever)
+            raise
+        return int(failed.item()) == 0
+
+    def _group_failed(self, step: int, error: str) -> None:
+        """A collective of the save of ``step`` failed: give the save up on this rank and fail the step in place.
+
+        Only rank 0 removes the partial directory (it alone would commit it, so no rank can remove files under a
+        commit); unless sealed: the fence then decided, and said so. What other ranks write later, or a lost rank 0
+        left, the next group's rank 0 sweeps (``sweep``, once every rank's earlier write has ended)."""
+        partial = self._store.partial_path(step)
+        if self._acc.is_main_process and self._sealed != step:
+            shutil.rmtree(partial, ignore_errors=True)
+            if partial.exists():
+                self._leftovers.add(partial)
+            self._emit(ABANDONED, step=step, old_rank=0, committer=True, path=str(partial), reason=GROUP_FAILED)
+        assert self.on_group_failure is not None
+        self.on_group_failure(f"checkpoint of step {step}: {GROUP_FAILED}: {error}")
 
     def _failed(self, step: int, failure: BaseException | None, partial: Path, main: bool) -> str:
         """Abandon the save of ``step`` into ``partial`` on this rank: remove the dir and report why; the error text.
@@ -499,8 +537,23 @@ class _PeerFailedError(Exception):
     """Rank 0's writer found the partial dir removed by a rank whose own write failed."""
 
 
+class _GroupFailedError(Exception):
+    """A collective of a save failed (a peer lost) while hot recovery is armed: the step fails in place."""
+
+
 class _HandedOverError(Exception):
     """The group re-formed in place before this write was sealed: it is abandoned."""
+
+
+def _collective(call: Callable[[], Any], on_group_failure: Callable[[str], None] | None) -> Any:
+    """``call()``, a collective of a save; its failure (a peer lost) is :class:`_GroupFailedError` when hot recovery
+    handles it (``on_group_failure`` set)."""
+    try:
+        return call()
+    except RuntimeError as exc:  # torch's DistBackendError and gloo's errors are RuntimeErrors
+        if on_group_failure is None:
+            raise
+        raise _GroupFailedError(str(exc)) from exc
 
 
 def _attempt(action: Callable[..., Any], *args: Any) -> Exception | None:

@@ -11,6 +11,10 @@ in place, with a new fencing token, while the write goes on.
   group's write (committed, or refused by the fence, or abandoned), its directory gone either way.
 - ``writer-lost``: rank 0's node dies mid-write; its directory (the other ranks' files in it) is left by a writer
   that no longer exists, and the new group's rank 0 removes it once every member's earlier write has ended.
+
+A blocking save (``ELASTICD_ASYNC_CHECKPOINTS=0``) has the same window inside its own collectives: the other ranks
+wait in the save's agreement while rank 0 writes. A node killed then fails that agreement; the step fails in place
+like any other (``saver.py``, ``on_group_failure``), instead of the worker's end and a cold restart.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.layout import done_marker
 from elasticd.lineage import Lineage
+from elasticd.worker.saver import GROUP_FAILED
 from tests.integration.cluster import Cluster, Node, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -105,3 +110,62 @@ def test_a_write_in_flight_across_a_recovery_in_place_is_committed_fenced_or_aba
         assert not list(run_dir.glob("*.partial")), sorted(p.name for p in run_dir.iterdir())
         later = [r for r in records.values() if r.step > step and r.committed_at > killed_at]
         assert later and all(r.token != old_token for r in later), sorted(records)
+
+
+def _agreeing(run_dir: Path, world_size: int) -> Path | None:
+    """A blocking save's partial directory with every rank's RNG file: the ranks but 0 are done and wait in the
+    save's agreement while rank 0 writes the registered object (accelerate writes it after the RNG files)."""
+    if not run_dir.is_dir():
+        return None
+    for partial in run_dir.glob("step-*.partial"):
+        if all((partial / f"random_states_{rank}.pkl").exists() for rank in range(world_size)):
+            return partial
+    return None
+
+
+@pytest.mark.parametrize("victim_rank", [2, 0], ids=["committer-survives", "committer-lost"])
+def test_a_peer_lost_inside_a_blocking_saves_agreement_fails_the_step_in_place(
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path, victim_rank: int
+) -> None:
+    run_id = f"agreeloss{victim_rank}"
+    names = [f"al{victim_rank}-{i}" for i in range(3)]
+    run_dir = tmp_path / "checkpoints" / run_id
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id=run_id,
+        min_nodes=2,
+        max_nodes=3,
+        script=SCRIPT,
+        script_args=(str(BALLAST_MB), *train_args(100)),
+        extra=("--checkpoint-every-steps", "20"),
+        env={"ELASTICD_ASYNC_CHECKPOINTS": "0"},
+    ) as c:
+        for name in names:
+            c.start(name)
+        c.wait_step(lambda s: s["world_size"] == 3, timeout_s=120, what="a step on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
+        victim = next(n for n, r in ranks.items() if r == victim_rank)
+        survivors = [c.nodes[n] for n in names if n != victim]
+        partial = wait_until(lambda: _agreeing(run_dir, 3), 120, "a blocking save in its agreement", poll_s=0.01)
+        restarts = {node.name: len(node.events("restart")) for node in survivors}
+        c.nodes[victim].kill()
+        step = int(partial.name.split(".")[0].removeprefix("step-"))
+        print(f"killed the node of rank {victim_rank} while the ranks agreed on {partial.name}")
+        for node in survivors:
+            assert node.wait(240) == 0, c.diagnostics()
+
+        # in place: no restart, one re-formation at world 2 after a failed step, the run finished
+        for node in survivors:
+            assert len(node.events("restart")) == restarts[node.name], f"{node.name} restarted\n{c.diagnostics()}"
+        assert {e["world_size"] for e in _worker_events(survivors, "reconfigured")} == {2}, c.diagnostics()
+        failed = [e for e in _worker_events(survivors, "step_failed") if GROUP_FAILED in str(e.get("reason"))]
+        assert failed, c.diagnostics()
+        assert c.newest_step()["step"] == 100 and c.newest_step()["world_size"] == 2
+
+        # the save was given up, said so, and left nothing: by rank 0 at once, or by the next group's rank 0
+        abandoned = [e for e in _worker_events(survivors, "checkpoint_abandoned") if partial.name in str(e["path"])]
+        assert abandoned, c.diagnostics()
+        assert not list(run_dir.glob("*.partial")), sorted(p.name for p in run_dir.iterdir())
+        records = {r.step: r for r in Lineage(etcd_client, RunKeys(run_id)).records()}
+        assert step not in records and max(records) > step, sorted(records)  # given up, and the next group commits
