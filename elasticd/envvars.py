@@ -56,6 +56,10 @@ FAULT_DIE_AFTER_RDZV = PREFIX + "FAULT_DIE_AFTER_RDZV"
 # torch reads this inside DynamicRendezvousHandler.next_rendezvous: "1" makes every round pick a fresh worker
 # store address instead of reusing round 1's, whose host may be gone (pytorch issue #135712).
 TORCH_DISABLE_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# The interface gloo's and NCCL's transports bind (default: the address the host name resolves to); the daemon names
+# the one that holds --local-addr unless the user set them (elasticd/addresses.py).
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME = "NCCL_SOCKET_IFNAME"
 # torch reads these when it creates an NCCL process group (elasticd/worker/hot/backend.py gives the daemon their
 # values for hot recovery): what the watchdog does on an NCCL error or timeout (torch's default tears the process
 # down), and whether NCCL communicators are non-blocking (so that an abort from another thread cannot hang).

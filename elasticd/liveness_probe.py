@@ -38,7 +38,7 @@ class Probe(StrEnum):
 class ProbeListener:
     """A listening socket in the worker: connections are accepted and closed by a daemon thread."""
 
-    def __init__(self, host: str = "0.0.0.0") -> None:
+    def __init__(self, host: str) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self._sock.listen(64)

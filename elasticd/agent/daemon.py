@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import __version__, envvars, rundir
 from elasticd.accelerate_env import default_threads, physical_cores, worker_environment
+from elasticd.addresses import collective_env
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
@@ -298,6 +299,11 @@ def _export_worker_env(cfg: StartConfig, runtime: RuntimeLayout, run: RunLayout,
         log.info("accelerate_setting_overridden", setting=line)
     os.environ.update(accelerate.env)
     os.environ.update(cfg.worker_env())
+    if cfg.local_addr is not None:
+        # gloo and NCCL bind the host name's address unless told an interface (elasticd/addresses.py)
+        chosen = collective_env(cfg.local_addr, os.environ)
+        os.environ.update(chosen.env)
+        log.info("collective_interface", **chosen.fields)
     os.environ.update(
         {
             envvars.SOCKET: str(runtime.socket),

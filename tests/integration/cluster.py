@@ -1,4 +1,4 @@
-"""Real elasticd nodes as real processes on 127.0.0.1, for integration tests.
+"""Real elasticd nodes as real processes on 127.0.0.1 (or each on its own host: ``netns.py``), for integration tests.
 
 A :class:`Cluster` starts ``elasticd start`` processes against one etcd, each with its own stdout (the workers'
 JSON step lines) and stderr (the daemon's JSON events) files, and kills every process tree it started when closed.
@@ -17,9 +17,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
+
+if TYPE_CHECKING:
+    from tests.integration.netns import Host
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train.py"
@@ -175,7 +178,8 @@ class Cluster:
         self.nodes: dict[str, Node] = {}
         self.env = dict(env or {})
 
-    def start(self, name: str, *extra: str) -> Node:
+    def start(self, name: str, *extra: str, host: Host | None = None) -> Node:
+        """Start node ``name`` on 127.0.0.1, or inside ``host``'s namespace with ``--local-addr`` its data address."""
         out, err = self.workdir / f"{name}.out", self.workdir / f"{name}.err"
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **self.env)
         cmd = [
@@ -186,9 +190,12 @@ class Cluster:
             *self.base_args,
             "--node-id",
             name,
+            *(("--local-addr", host.data_addr) if host is not None else ()),  # the last one given counts
             *extra,
             *self.script,
         ]
+        if host is not None:
+            cmd = host.command(cmd)
         with out.open("ab") as fo, err.open("ab") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=self.workdir, env=env, start_new_session=True)
         node = Node(name, proc, out, err)

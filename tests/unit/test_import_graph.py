@@ -64,6 +64,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "procid.py",
             "parentdeath.py",
             "rundir.py",
+            "addresses.py",
             # the private torch/accelerate names elasticd relies on, and their start-up check
             "privates/",
         ),

@@ -96,7 +96,7 @@ _NON_DEFAULT = {
     options.ETCD_CONNECT_TIMEOUT: "7.5",
     options.RUN_ID: "job-7",
     options.NODE_ID: "node-x",
-    options.LOCAL_ADDR: "10.0.0.9",
+    options.LOCAL_ADDR: "127.0.0.1",  # must be an address of this host
     options.CHECKPOINT_DIR: "ckpt",
     options.CHECKPOINT_EVERY_STEPS: "17",
     options.CHECKPOINT_EVERY_SECONDS: "2.5",

@@ -38,6 +38,7 @@ from typing import Any
 import torch.distributed as dist
 from accelerate.utils import broadcast_object_list
 
+from elasticd.addresses import listen_address
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.liveness_probe import Probe, ProbeListener, probe
@@ -160,7 +161,7 @@ class HotSession:
         ``joining``: this worker joins a group that trains already (:meth:`join` comes next)."""
         self.hook.register(self.model)
         self.guard.install(self.optimizer)
-        self.listener = ProbeListener()
+        self.listener = ProbeListener(listen_address(advertise))  # where peers dial it, not every interface
         record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
         self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))
         if joining:
