@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
@@ -46,12 +47,22 @@ def group_nodes(client: EtcdClient, keys: RunKeys) -> list[str] | None:
     return None if group is None else list(group.nodes)
 
 
-def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:
-    """Does ``group`` (of ``round_``) still train in place? Its round holds the run's fencing token, and a worker of
-    its current epoch accepts a connection on its liveness port (a worker that exited refuses at once)."""
+class Reach(StrEnum):
+    """What a node sees of the group that trains in place (:func:`group_reach`)."""
+
+    ALIVE = "alive"  # a worker of its current epoch accepted a connection
+    GONE = "gone"  # it does not train in place any more (the token moved on, its workers refuse)
+    OUT_OF_REACH = "out_of_reach"  # etcd says it trains (a member's node is alive), but no member answers from here
+
+
+def group_reach(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> Reach:
+    """Does ``group`` (of ``round_``) still train in place, and can this node reach it? Its round holds the run's
+    fencing token, and a worker of its current epoch accepts a connection on its liveness port (a worker that exited
+    refuses at once); no answer at all from members whose node's liveness lease holds is a partition between here and
+    them, not their end."""
     token = client.get(keys.lineage_token)
     if token is None or _round_of(token[0]) != str(round_):
-        return False  # the run restarted cold since (or etcd lost its data)
+        return Reach.GONE  # the run restarted cold since (or etcd lost its data)
     found = client.get(keys.membership_epoch)
     epoch = Epoch.decode(found[0]) if found is not None else None
     records = {key.rsplit("/", 1)[-1]: raw for key, raw, _ in client.get_prefix(f"{keys.membership_prefix}members/")}
@@ -59,11 +70,25 @@ def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> b
         members = list(epoch.members)
     else:
         members = [name for name in records if name.startswith(f"{group}.")]
+    unreachable_nodes: set[str] = set()
     for member in members:
         raw = records.get(member)
-        if raw is not None and probe(str(json.loads(raw)["addr"])) is Probe.ACCEPTED:
-            return True
-    return False
+        if raw is None:
+            continue
+        record = json.loads(raw)
+        answer = probe(str(record["addr"]))
+        if answer is Probe.ACCEPTED:
+            return Reach.ALIVE
+        if answer is Probe.UNREACHABLE:
+            unreachable_nodes.add(str(record.get("node")))
+    if any(client.get(keys.membership_alive(node)) is not None for node in sorted(unreachable_nodes)):
+        return Reach.OUT_OF_REACH
+    return Reach.GONE
+
+
+def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:
+    """Does ``group`` (of ``round_``) still train in place, reachable from here (:func:`group_reach`)?"""
+    return group_reach(client, keys, group, round_) is Reach.ALIVE
 
 
 def _round_of(token: bytes) -> str:

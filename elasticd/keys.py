@@ -93,6 +93,11 @@ class RunKeys:
         still waiting in a collective. Per group: a round that fell back cold leaves its notice behind."""
         return f"{self.prefix}membership/notice/{group}/{epoch:012d}"
 
+    def membership_out(self, group: str, epoch: int, node_id: str) -> str:
+        """A node convicted by a hang agreement of ``epoch`` of ``group`` takes its workers out of it (written before
+        it kills them): the others count them dead, reachable or not (a partition: they cannot be probed)."""
+        return f"{self.prefix}membership/out/{group}/{epoch:012d}/{node_id}"
+
     def membership_member(self, member: str) -> str:
         """Where a worker of the hot path answers liveness probes, and its node (JSON, liveness_probe.py)."""
         return f"{self.prefix}membership/members/{member}"

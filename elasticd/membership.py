@@ -132,6 +132,7 @@ class Membership:
         reason: str,
         fence: str | None = None,
         fits: Callable[[int], bool] | None = None,
+        out: Callable[[str], bool] = lambda _member: False,
     ) -> Epoch | None:
         """Decide ``epoch`` if it can be decided now, else None; the decision in force if someone else was faster.
 
@@ -139,8 +140,9 @@ class Membership:
         ``fence``, when given, is the lineage token the deciders hold: the decision is written only while it is still
         the run's (a group that a newer round or epoch replaced can never decide again). ``fits(world_size)`` says
         whether the global batch splits over that many members: joiners are admitted only all together and only
-        when it does (otherwise they wait, warm, for an epoch that has room). Raises :class:`BelowMinimum` when every
-        previous member is accounted for and fewer than ``min_members`` bid."""
+        when it does (otherwise they wait, warm, for an epoch that has room). ``out(member)``: its node took it out
+        of the group (convicted by a hang agreement, ``leave_group``): its bid, if any, does not count. Raises
+        :class:`BelowMinimum` when every previous member is accounted for and fewer than ``min_members`` bid."""
         current = self.current()
         if current is not None and current[0].number >= epoch:
             return current[0]
@@ -152,6 +154,7 @@ class Membership:
         if any(m not in bids and not is_dead(m) for m in previous):
             return None  # a live member has not bid yet: wait for it (or for its daemon to declare it dead)
         bids = {m: b for m, b in bids.items() if not b.leaving}  # a leaver answered: it is not in the next epoch
+        bids = {m: b for m, b in bids.items() if not out(m)}  # convicted: its node takes it out, bid or not
         # a joiner that died after its bid would hold up the new group's formation: leave it out
         joiners = {m for m, b in bids.items() if b.old_rank is None and m not in previous}
         dead_joiners = {m for m in joiners if is_dead(m)}
@@ -209,6 +212,18 @@ class Membership:
         current = self.current()
         epoch = 0 if current is None else current[0].number
         return self._client.create(self._keys.membership_notice(group, epoch), text)
+
+    def leave_group(self, node_id: str) -> bool:
+        """Take ``node_id``'s workers out of the group training in place now (``membership_out``), before they are
+        killed for a hang they were convicted of; False when no group trains so."""
+        found = self._client.get(self._keys.membership_group)
+        if found is None:
+            return False
+        group = str(json.loads(found[0])["group"])
+        current = self.current()
+        epoch = 0 if current is None else current[0].number
+        self._client.put(self._keys.membership_out(group, epoch, node_id), node_id)
+        return True
 
     def forget(self, epoch: int) -> int:
         """Remove the bids for ``epoch``; call once a later epoch is in force (nobody reads them any more)."""

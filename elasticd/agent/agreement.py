@@ -32,8 +32,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from elasticd.agent.diagnosis import diagnose
+from elasticd.agent.diagnosis import diagnose, partitioned
 from elasticd.agent.evidence import RankEvidence
+from elasticd.agent.reachability import partition
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 
@@ -54,7 +55,11 @@ class HangAgreement:
         *,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        reach: Callable[[Sequence[str]], dict[str, bool]] | None = None,
     ) -> None:
+        """``reach(members)``: which of the other members this node reaches (``reachability.reached``), reported
+        with the evidence; None reports nothing, and no partition is ever diagnosed."""
+        self._reach = reach
         self._client = client
         self._keys = keys
         self._node = node_id
@@ -90,9 +95,25 @@ class HangAgreement:
         name = _name(found[0])
         return name if name and not self._abandoned(round_, name) else None
 
-    def report(self, round_: int, evidence: Sequence[RankEvidence], hang: str = "") -> None:
+    def report(
+        self, round_: int, evidence: Sequence[RankEvidence], hang: str = "", members: Sequence[str] = ()
+    ) -> None:
+        """This node's evidence; with ``members``, also which of them it reaches (probed now)."""
         key = self._key(round_, f"nodes/{self._node}")
-        self._client.put(key, json.dumps({"hang": hang, "evidence": [e.to_json() for e in evidence]}))
+        record: dict[str, Any] = {"hang": hang, "evidence": [e.to_json() for e in evidence]}
+        if self._reach is not None and members:
+            record["reached"] = self._reach(members)
+        self._client.put(key, json.dumps(record))
+
+    def reached(self, round_: int, hang: str = "") -> dict[str, dict[str, bool]]:
+        """What each node that reported on ``hang`` said it reached (nothing for a node that did not probe)."""
+        prefix = self._key(round_, "nodes/")
+        found = {}
+        for key, value, _rev in self._client.get_prefix(prefix):
+            data = json.loads(value)
+            if isinstance(data, dict) and data.get("hang", "") == hang and isinstance(data.get("reached"), dict):
+                found[key[len(prefix) :]] = {str(k): bool(v) for k, v in data["reached"].items()}
+        return found
 
     def reports(self, round_: int, hang: str = "") -> dict[str, list[RankEvidence]]:
         """Every node's report of the hang called ``hang`` in ``round_``."""
@@ -156,7 +177,10 @@ class HangAgreement:
                 break
             self._sleep(_POLL_S)
         gone = {node: why for node, why in lost().items() if node in missing}
-        diagnosis = diagnose([e for node in sorted(reports) for e in reports[node]], gone)
+        evidence = [e for node in sorted(reports) for e in reports[node]]
+        cut = set() if gone else partition(members, self.reached(round_, hang))
+        kept = sorted(set(members) - cut)
+        diagnosis = partitioned(evidence, cut, kept) if cut else diagnose(evidence, gone)
         summary = {
             **diagnosis.to_json(),
             "nodes_reported": sorted(reports),

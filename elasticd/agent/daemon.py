@@ -10,7 +10,9 @@ import dataclasses
 import os
 import shutil
 import signal
+import socket
 import sys
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
@@ -19,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import __version__, envvars, rundir
 from elasticd.accelerate_env import default_threads, physical_cores, worker_environment
-from elasticd.addresses import collective_env
+from elasticd.addresses import collective_env, listen_address
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.joining import group_to_join
 from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
+from elasticd.agent.reachability import reached
 from elasticd.agent.reaper import Reaper
 from elasticd.agent.registry import NodeRegistry
 from elasticd.agent.spares import EtcdPlanStore, Sizing
@@ -42,6 +45,7 @@ from elasticd.group_record import GroupToJoin, group_nodes
 from elasticd.keys import RunKeys
 from elasticd.layout import RunLayout, RuntimeLayout, slot_path
 from elasticd.lineage import CheckpointRecord, Lineage
+from elasticd.liveness_probe import ProbeListener
 from elasticd.logging import configure_logging, get_logger
 from elasticd.membership import Membership
 from elasticd.metrics import Metrics, MetricsServer
@@ -54,6 +58,9 @@ if TYPE_CHECKING:
 
     from elasticd.agent.supervisor import ElasticdAgent
     from elasticd.rendezvous.handler import ElasticdRendezvousHandler
+
+# Seconds between two looks at a group that trains in place out of this node's reach (a partition).
+OUT_OF_REACH_POLL_S = 1.0
 
 
 def run_daemon(cfg: StartConfig) -> int:
@@ -89,7 +96,11 @@ def run_daemon(cfg: StartConfig) -> int:
         stack.callback(client.close)
         keys = RunKeys(cfg.run_id)
 
-        registry = NodeRegistry(client, keys, cfg.node_id)
+        # the other daemons probe this node here, on the address they reach it at (agent/reachability.py)
+        advertised = cfg.local_addr or socket.getfqdn()
+        listener = ProbeListener(listen_address(advertised))
+        stack.callback(listener.close)
+        registry = NodeRegistry(client, keys, cfg.node_id, probe=f"{advertised}:{listener.port}")
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
@@ -148,7 +159,12 @@ def run_daemon(cfg: StartConfig) -> int:
                     timeout_s=cfg.hang_timeout_s,
                     startup_s=cfg.startup_timeout_s,
                 ),
-                agreement=HangAgreement(client, keys, cfg.node_id),
+                agreement=HangAgreement(
+                    client,
+                    keys,
+                    cfg.node_id,
+                    reach=lambda members: reached(read_nodes(client, keys), cfg.node_id, members),
+                ),
                 node_id=cfg.node_id,
                 board_dir=board_dir,
                 run=run_layout,
@@ -248,8 +264,21 @@ def _clear_previous_run(client: EtcdClient, keys: RunKeys, node_id: str, log: An
 def _group_to_join(
     client: EtcdClient, keys: RunKeys, cfg: StartConfig, nodes_waiting: Callable[[], int]
 ) -> GroupToJoin | None:
-    """Hot recovery: the group training in place that this node's next round joins, if any."""
-    return group_to_join(client, keys, cfg.node_id, max_nodes=cfg.max_nodes, nodes_waiting=nodes_waiting())
+    """Hot recovery: the group training in place that this node's next round joins, if any; while that group is out
+    of this node's reach (a partition), wait here rather than enter the rendezvous (``agent/joining.py``)."""
+    said: list[bool] = []
+
+    def wait(group: GroupToJoin) -> None:
+        if not said:
+            said.append(True)
+            get_logger(run_id=cfg.run_id, node_id=cfg.node_id).warning(
+                "group_out_of_reach",
+                group_nodes=list(group.nodes),
+                message="the group trains in place but none of its workers answers from here: waiting to reach it",
+            )
+        time.sleep(OUT_OF_REACH_POLL_S)
+
+    return group_to_join(client, keys, cfg.node_id, max_nodes=cfg.max_nodes, nodes_waiting=nodes_waiting(), wait=wait)
 
 
 def _adopt_from_disk(cfg: StartConfig, log: Any) -> CheckpointRecord | None:

@@ -12,6 +12,10 @@ The rules, first match wins (each names its reason in the summary):
 6. a rank whose main thread is outside any collective while others are inside one;
 7. otherwise the rank(s) silent the longest: they stopped making progress first.
 
+Before these, a **partition** (:func:`partitioned`, from ``reachability.py``): when some members cannot reach each
+other, the culprits are the members outside the largest set that all reach each other, whatever their evidence
+says (every rank of a partitioned group stalls at once and looks like it stopped first).
+
 Only rules 2 and 4-7 describe a **hang**: a live process that does not progress, which may recur at the same step
 after a restart, so only they count toward ``--hang-attempts``. A lost node (rule 1) and an exited worker (rule 3)
 are faults of a node or a process, not of the training step (``cause`` says which).
@@ -26,7 +30,7 @@ from typing import Any
 from elasticd.agent.evidence import EXITED_STATES, FROZEN_STATES, RankEvidence
 
 # Values of Diagnosis.cause.
-HANG, NODE_LOST, WORKER_EXITED = "hang", "node_lost", "worker_exited"
+HANG, NODE_LOST, WORKER_EXITED, PARTITION = "hang", "node_lost", "worker_exited", "partition"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,3 +112,13 @@ def diagnose(evidence: Sequence[RankEvidence], lost: Mapping[str, str] | None = 
     longest = max(e.silent_s for e in ranks)
     first = [e for e in ranks if longest - e.silent_s < 0.05]
     return verdict(first, "stopped making progress first")
+
+
+def partitioned(evidence: Sequence[RankEvidence], cut: set[str], kept: Sequence[str]) -> Diagnosis:
+    """The diagnosis of a partition: the ranks of the ``cut`` nodes (and the cut nodes that sent no evidence) are
+    the culprits; ``kept`` are the members that all reach each other. Not a hang of the training: not counted."""
+    ranks = tuple(sorted(evidence, key=lambda e: e.rank))
+    step = max((e.entered_step for e in ranks if e.entered_step is not None), default=0)
+    silent = tuple(sorted(cut - {e.node for e in ranks}))
+    reason = f"unreachable from {', '.join(sorted(kept))} (the data network is partitioned): the others go on"
+    return Diagnosis(tuple(e.rank for e in ranks if e.node in cut), reason, step, ranks, silent, PARTITION)

@@ -343,7 +343,7 @@ class HangHandler:
         scope = _scope(round_, epoch)
         if agreement is not None:
             try:
-                agreement.report(scope, evidence, hang)
+                agreement.report(scope, evidence, hang, members)
                 summary = agreement.decide(
                     scope,
                     members,

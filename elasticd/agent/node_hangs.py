@@ -119,5 +119,7 @@ class NodeHangs:
         if membership is None or self._node_id not in hang.culprit_nodes or not self._reports.all_in_place():
             return
         text = f"hang: {', '.join(hang.culprit_nodes)} stopped progressing"
+        # out first: the others, woken by the notice, must count these workers dead even if they cannot probe them
+        self._poll(lambda: membership.leave_group(self._node_id), False)
         if self._poll(lambda: membership.notify_group(text), False):
             self._workers.sleep(HANG_NOTICE_S)

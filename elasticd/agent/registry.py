@@ -53,7 +53,9 @@ class NodeRegistry:
         *,
         ttl_s: int = DEFAULT_TTL_S,
         clock: Callable[[], float] = time.time,
+        probe: str | None = None,
     ) -> None:
+        """``probe``: ``host:port`` where this daemon answers the other daemons' reachability probes."""
         self._client = client
         self._key = keys.node(node_id)
         self._ttl_s = ttl_s
@@ -72,6 +74,7 @@ class NodeRegistry:
             "nodes": None,
             "last_step": None,
             "epoch": None,  # the membership epoch in force (hot recovery; agent/reconfig.py), None before the first
+            "probe": probe,  # agent/reachability.py
             **procid.identity(),  # boot_id, pid_ns, pid_start: lets a daemon on this machine tell if we still run
         }
         self._stop = threading.Event()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,96 @@ def test_without_local_addr_a_host_name_that_stands_for_loopback_is_one_line_and
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("elasticd: error: --local-addr") and "loopback" in line, line
+
+
+def test_a_node_cut_off_from_everything_is_left_behind_in_place_never_trains_alone_and_rejoins_after_the_heal(
+    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """Full isolation of rank 0's node (the one that commits): both its links down at the switch, so frames to and
+    from it vanish without a reset. The two others go on in place; the isolated node, below --min-nodes alone and
+    without etcd, neither trains nor commits; after the heal it comes back as a joiner."""
+    hosts = {h.name: h for h in (network.add(f"p{i}") for i in range(3))}
+    keys = RunKeys("isolated")
+    client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
+    with Cluster(remote_etcd.endpoint, tmp_path, run_id="isolated", min_nodes=2, max_nodes=3,
+                 script_args=train_args(300)) as c:  # fmt: skip
+        for host in hosts.values():
+            c.start(host.name, host=host)
+        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        victim_name = next(n for n, r in ranks.items() if r == 0)
+        victim = c.nodes[victim_name]
+        survivors = [n for n in hosts if n != victim_name]
+        round_token = Lineage(client, keys).token()
+        network.cut(victim_name)
+        cut_at = time.time()
+        try:
+            after = c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > cut_at, timeout_s=60, what="world 2")
+            print(f"isolated node: first step at world 2 {after['t'] - cut_at:.2f}s after the cut")
+            for name in survivors:
+                event = c.nodes[name].wait_event("reconfigured", timeout_s=30)
+                assert event["world_size"] == 2 and not c.nodes[name].events("restart"), c.diagnostics()
+            c.wait_step(lambda s: s["world_size"] == 2 and s["step"] >= after["step"] + 20, timeout_s=60)
+        finally:
+            network.heal(victim_name)
+        healed_at = time.time()
+        for name in hosts:
+            assert c.nodes[name].wait(240) == 0, c.diagnostics()
+
+        # never alone: no step of the isolated node's between the cut and the heal (its last one may land just after
+        # the cut: a step in flight)
+        alone = [s for s in victim.steps() if cut_at + 1.0 < s["t"] < healed_at]
+        assert not alone, alone[:3]
+        # never committed: every record since the cut carries the survivors' newer token
+        late = [r for r in Lineage(client, keys).records() if r.committed_at > cut_at]
+        assert late and all(r.token != round_token for r in late), [(r.step, r.token) for r in late]
+        # back as a joiner in place after the heal, and the run finished at 3 nodes
+        joined = [e for e in victim.events("reconfigured") if "node_id" in e and e["reason"] == "join"]
+        assert joined and joined[-1]["world_size"] == 3, victim.tail(80)
+        assert c.newest_step()["step"] == 300 and c.newest_step()["world_size"] == 3
+        for name in survivors:
+            assert not c.nodes[name].events("restart"), c.diagnostics()
+    client.close()
+
+
+@pytest.mark.parametrize("link", ["data", "control"])
+def test_a_node_cut_from_its_peers_or_from_etcd_alone_leaves_one_group_training(
+    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path, link: str
+) -> None:
+    """One link of rank 2's node down: ``data`` (it reaches etcd, not its peers) or ``control`` (its peers, not
+    etcd). Exactly one group trains: the two nodes that reach each other and etcd; the cut node's workers leave
+    the group within the vanished-node bound, commit nothing, and it comes back after the heal."""
+    hosts = {h.name: h for h in (network.add(f"{link[0]}{i}") for i in range(3))}
+    run_id = f"cut-{link}"
+    keys = RunKeys(run_id)
+    client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
+    with Cluster(remote_etcd.endpoint, tmp_path, run_id=run_id, min_nodes=2, max_nodes=3,
+                 script_args=train_args(300)) as c:  # fmt: skip
+        for host in hosts.values():
+            c.start(host.name, host=host)
+        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        victim_name = next(n for n, r in ranks.items() if r == 2)
+        victim = c.nodes[victim_name]
+        survivors = [n for n in hosts if n != victim_name]
+        round_token = Lineage(client, keys).token()
+        network.cut(victim_name, link)  # type: ignore[arg-type]
+        cut_at = time.time()
+        try:
+            after = c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > cut_at, timeout_s=60, what="world 2")
+            print(f"{link} cut: first step at world 2 {after['t'] - cut_at:.2f}s after the cut")
+            c.wait_step(lambda s: s["world_size"] == 2 and s["step"] >= after["step"] + 20, timeout_s=60)
+        finally:
+            network.heal(victim_name, link)  # type: ignore[arg-type]
+        healed_at = time.time()
+        for name in hosts:
+            assert c.nodes[name].wait(240) == 0, c.diagnostics()
+        alone = [s for s in victim.steps() if cut_at + 1.0 < s["t"] < healed_at]
+        assert not alone, alone[:3]
+        for name in survivors:
+            assert not c.nodes[name].events("restart"), c.diagnostics()
+        # the old group's rank 0 (a survivor) may commit under the old token until the new epoch: never after it
+        late = [r for r in Lineage(client, keys).records() if r.committed_at > after["t"]]
+        assert late and all(r.token != round_token for r in late), [(r.step, r.token) for r in late]
+        assert c.newest_step()["step"] == 300
+    client.close()

@@ -284,6 +284,8 @@ class HotSession:
         self, failure: StepFailure, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], reason: str
     ) -> Recovered:
         me = self.identity.member
+        if self._is_out(me):
+            raise HotFallback("excluded", f"this node took {me} out of epoch {self.epoch} (a hang's culprit)")
         self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{me}: {failure.reason}")
         target = self.epoch + 1
         self.membership.bid(target, Bid(me, self.rank, state.step))
@@ -329,6 +331,7 @@ class HotSession:
                 reason=reason,
                 fence=self.fence,
                 fits=None if plan_for is None else _fits(plan_for),
+                out=self._is_out,
             )
             if decision is not None:
                 return decision
@@ -345,10 +348,16 @@ class HotSession:
             dead = True  # every member publishes before the first step: its record is gone with etcd's data
         else:
             alive = self.client.get(self.keys.membership_alive(str(record["node"]))) is not None
-            dead = not alive or probe(str(record["addr"])) is Probe.REFUSED
+            dead = not alive or self._is_out(member) or probe(str(record["addr"])) is Probe.REFUSED
         if dead:
             self._dead.add(member)
         return dead
+
+    def _is_out(self, member: str) -> bool:
+        """Did ``member``'s node take it out of this epoch (a culprit of the group's hang agreement)?"""
+        record = self._record(member)
+        node = str(record["node"]) if record is not None else None
+        return node is not None and self.client.get(self.keys.membership_out(self.group, self.epoch, node)) is not None
 
     def _record(self, member: str) -> dict[str, Any] | None:
         if member not in self._records:
