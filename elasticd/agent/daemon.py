@@ -231,6 +231,15 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
             # this node came to join a group training in place, and the run finished before it was admitted
             logger.info("finished_while_joining")
             return EXIT_OK
+        if agent.round_state.round is not None:
+            # this node trained in the run, then was cut off or frozen while the others completed it: nothing is left
+            # to train, and a Kubernetes Job must not count that as a failed pod
+            logger.info(
+                "run_finished_without_this_node",
+                round=agent.round_state.round,
+                message="the others finished the run while this node was away: nothing left to train",
+            )
+            return EXIT_OK
         logger.error(
             "gave_up",
             message="the rendezvous of this run is closed (finished or stopped); use a new --run-id",

@@ -8,6 +8,7 @@ refused, remote=[127.0.0.1]:PORT", worker restarts until the budget ran out).
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import time
@@ -15,12 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
-from elasticd.lineage import Lineage
+from elasticd.lineage import CheckpointRecord, Lineage
 from tests.integration.cluster import EXAMPLE, Cluster, train_args
 from tests.integration.netns import Network, unavailable
 
@@ -29,6 +31,35 @@ pytestmark = [
     pytest.mark.timeout(300),
     pytest.mark.skipif(unavailable() is not None, reason=str(unavailable())),
 ]
+
+
+STEPS = 300
+# the same parameters as an undisturbed run, within this relative difference (only the order of float sums differs)
+REL_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """The final parameters of the same job, undisturbed, on one node (the global batch is the same at any size)."""
+    workdir = tmp_path_factory.mktemp("undisturbed")
+    out = workdir / "final.pt"
+    server = EmbeddedEtcd(data_dir=workdir / "etcd", unsafe_no_fsync=True)
+    server.start(ready_timeout_s=30)
+    try:
+        with Cluster(server.endpoint, workdir, run_id="undisturbed",
+                     script_args=(*train_args(STEPS, 0.0), "--save-final", str(out))) as c:  # fmt: skip
+            assert c.start("ref").wait(240) == 0, c.diagnostics()
+    finally:
+        server.stop()
+    return dict(torch.load(out))
+
+
+def assert_same_parameters(final: Path, reference: dict[str, torch.Tensor]) -> None:
+    trained = torch.load(final)
+    assert trained.keys() == reference.keys()
+    worst = max(((trained[k] - v).abs().max() / v.abs().max().clamp(min=1e-12)).item() for k, v in reference.items())
+    print(f"largest relative parameter difference from the undisturbed run: {worst:.3e}")
+    assert worst <= REL_TOL
 
 
 @pytest.fixture
@@ -85,7 +116,7 @@ def test_without_local_addr_a_host_name_that_stands_for_loopback_is_one_line_and
 
 
 def test_a_node_cut_off_from_everything_is_left_behind_in_place_never_trains_alone_and_rejoins_after_the_heal(
-    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path
+    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path, reference: dict[str, torch.Tensor]
 ) -> None:
     """Full isolation of rank 0's node (the one that commits): both its links down at the switch, so frames to and
     from it vanish without a reset. The two others go on in place; the isolated node, below --min-nodes alone and
@@ -94,7 +125,7 @@ def test_a_node_cut_off_from_everything_is_left_behind_in_place_never_trains_alo
     keys = RunKeys("isolated")
     client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
     with Cluster(remote_etcd.endpoint, tmp_path, run_id="isolated", min_nodes=2, max_nodes=3,
-                 script_args=train_args(300)) as c:  # fmt: skip
+                 script_args=(*train_args(STEPS), "--save-final", str(tmp_path / "final.pt"))) as c:  # fmt: skip
         for host in hosts.values():
             c.start(host.name, host=host)
         c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
@@ -128,15 +159,16 @@ def test_a_node_cut_off_from_everything_is_left_behind_in_place_never_trains_alo
         # back as a joiner in place after the heal, and the run finished at 3 nodes
         joined = [e for e in victim.events("reconfigured") if "node_id" in e and e["reason"] == "join"]
         assert joined and joined[-1]["world_size"] == 3, victim.tail(80)
-        assert c.newest_step()["step"] == 300 and c.newest_step()["world_size"] == 3
+        assert c.newest_step()["step"] == STEPS and c.newest_step()["world_size"] == 3
         for name in survivors:
             assert not c.nodes[name].events("restart"), c.diagnostics()
     client.close()
+    assert_same_parameters(tmp_path / "final.pt", reference)
 
 
 @pytest.mark.parametrize("link", ["data", "control"])
 def test_a_node_cut_from_its_peers_or_from_etcd_alone_leaves_one_group_training(
-    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path, link: str
+    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path, link: str, reference: dict[str, torch.Tensor]
 ) -> None:
     """One link of rank 2's node down: ``data`` (it reaches etcd, not its peers) or ``control`` (its peers, not
     etcd). Exactly one group trains: the two nodes that reach each other and etcd; the cut node's workers leave
@@ -146,7 +178,7 @@ def test_a_node_cut_from_its_peers_or_from_etcd_alone_leaves_one_group_training(
     keys = RunKeys(run_id)
     client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
     with Cluster(remote_etcd.endpoint, tmp_path, run_id=run_id, min_nodes=2, max_nodes=3,
-                 script_args=train_args(300)) as c:  # fmt: skip
+                 script_args=(*train_args(STEPS), "--save-final", str(tmp_path / "final.pt"))) as c:  # fmt: skip
         for host in hosts.values():
             c.start(host.name, host=host)
         c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
@@ -173,5 +205,73 @@ def test_a_node_cut_from_its_peers_or_from_etcd_alone_leaves_one_group_training(
         # the old group's rank 0 (a survivor) may commit under the old token until the new epoch: never after it
         late = [r for r in Lineage(client, keys).records() if r.committed_at > after["t"]]
         assert late and all(r.token != round_token for r in late), [(r.step, r.token) for r in late]
-        assert c.newest_step()["step"] == 300
+        assert c.newest_step()["step"] == STEPS
     client.close()
+    assert_same_parameters(tmp_path / "final.pt", reference)
+
+
+def assert_one_lineage(records: list[CheckpointRecord]) -> None:
+    """In commit order, steps only grow and a token once replaced never commits again: no fork."""
+    ordered = sorted(records, key=lambda r: r.committed_at)
+    retired: set[str] = set()
+    for before, after in itertools.pairwise(ordered):
+        assert after.step > before.step, (before, after)
+        if after.token != before.token:
+            retired.add(before.token)
+        assert after.token not in retired, (after, sorted(retired))
+
+
+def test_a_flapping_link_ends_the_run_with_one_lineage_and_the_undisturbed_parameters(
+    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path, reference: dict[str, torch.Tensor]
+) -> None:
+    """Rank 2's data link down 2 s, up 2 s, five times, while the job trains: each cut convicts it, each heal lets
+    it come back; the run finishes, nothing deadlocks, and the lineage never forks."""
+    hosts = {h.name: h for h in (network.add(f"f{i}") for i in range(3))}
+    client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
+    with Cluster(remote_etcd.endpoint, tmp_path, run_id="flap", min_nodes=2, max_nodes=3,
+                 script_args=(*train_args(STEPS), "--save-final", str(tmp_path / "final.pt"))) as c:  # fmt: skip
+        for host in hosts.values():
+            c.start(host.name, host=host)
+        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        victim = next(n for n, r in ranks.items() if r == 2)
+        try:
+            for _ in range(5):
+                network.cut(victim, "data")
+                time.sleep(2.0)
+                network.heal(victim, "data")
+                time.sleep(2.0)
+        finally:
+            network.heal(victim, "data")
+        for name in hosts:
+            assert c.nodes[name].wait(240) == 0, c.diagnostics()
+        assert c.newest_step()["step"] == STEPS
+    assert_one_lineage(Lineage(client, RunKeys("flap")).records())
+    client.close()
+    assert_same_parameters(tmp_path / "final.pt", reference)
+
+
+def test_a_node_that_comes_back_after_the_run_finished_without_it_exits_0_and_says_so(
+    network: Network, remote_etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    """Cut off from everything until the two others finished the run: once it reaches etcd again there is nothing
+    left to train, which a Kubernetes Job must not count as a failed pod (exit 0, one event saying so)."""
+    hosts = {h.name: h for h in (network.add(f"e{i}") for i in range(3))}
+    with Cluster(remote_etcd.endpoint, tmp_path, run_id="ended", min_nodes=2, max_nodes=3,
+                 script_args=train_args(60)) as c:  # fmt: skip
+        for host in hosts.values():
+            c.start(host.name, host=host)
+        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        victim_name = next(n for n, r in ranks.items() if r == 2)
+        victim = c.nodes[victim_name]
+        network.cut(victim_name)
+        try:
+            for name in hosts:
+                if name != victim_name:
+                    assert c.nodes[name].wait(240) == 0, c.diagnostics()
+        finally:
+            network.heal(victim_name)
+        assert victim.wait(120) == 0, victim.tail(60)
+        (said,) = victim.events("run_finished_without_this_node")
+        assert said["message"], said
