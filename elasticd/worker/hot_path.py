@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from elasticd.board import Phase
 from elasticd.errors import EXIT_HOT_FALLBACK, EXIT_REJOIN, ElasticdError
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.group_record import group_alive, read_group
+from elasticd.group_record import Reach, group_reach, read_group
 from elasticd.keys import RunKeys
 from elasticd.messages import Kind
 from elasticd.node_records import read_nodes
@@ -87,6 +87,11 @@ class RunPort(Protocol):
     ) -> None: ...
 
 
+# Seconds a joining worker asks again about a group that is out of its reach before it gives up on joining in place.
+JOIN_REACH_WAIT_S = 15.0
+_REACH_POLL_S = 0.5
+
+
 class JoinerNotNeeded(ElasticdError):
     """The run this joiner waited for finished: nothing is left to train."""
 
@@ -115,14 +120,14 @@ class HotPath:
         minimum = (s.min_nodes or 1) * s.nproc_per_node
         keys = RunKeys(s.run_id)
         if joining:
-            group = _group_to_join(client, keys, s.join_round or 0)
+            group, seen = _group_to_join(client, keys, s.join_round or 0)
             if group is None:
                 finished = _run_finished(client, keys, s.join_round or 0)
                 client.close()
                 if finished:
                     run.log.info("join_not_needed", message="the run finished while this node's workers started")
                     cls._exit(0)
-                return cls._unsupported(run, "the group this node was to join no longer trains in place")
+                return cls._unsupported(run, f"the group this node was to join no longer trains in place ({seen})")
             identity = Identity(group, run.rank, s.node_id, s.join_round or 0, minimum, name=s.fence_token)
         else:
             identity = Identity(s.fence_token, run.rank, s.node_id, s.round, minimum)
@@ -161,7 +166,8 @@ class HotPath:
         def still_wanted() -> bool:
             if _run_finished(client, keys, round_):
                 raise JoinerNotNeeded("the run finished while this node waited to join")
-            return group_alive(client, keys, group, round_)
+            # out of reach for a moment (a link that just came back) is no reason to give up: gone is
+            return group_reach(client, keys, group, round_) is not Reach.GONE
 
         try:
             recovered = self.session.join(run.state, run.plan_for, still_wanted)
@@ -300,9 +306,20 @@ def _run_finished(client: EtcdClient, keys: RunKeys, round_: int) -> bool:
     return any(r.get("round") == round_ and r.get("state") == "finished" for r in read_nodes(client, keys))
 
 
-def _group_to_join(client: EtcdClient, keys: RunKeys, round_: int) -> str | None:
-    """The name of the group of ``round_`` that trains in place now, or None (gone, or another round's)."""
-    group = read_group(client, keys)
-    if group is None or group.round != round_ or not group_alive(client, keys, group.name, round_):
-        return None
-    return group.name
+def _group_to_join(
+    client: EtcdClient, keys: RunKeys, round_: int, reach_wait_s: float = JOIN_REACH_WAIT_S
+) -> tuple[str | None, str]:
+    """The name of the group of ``round_`` that trains in place now, or None (gone, or another round's), and what
+    was seen of it. A group out of this node's reach (its daemon found it reachable a moment ago: a link that just
+    came back) is asked again for up to ``reach_wait_s``."""
+    deadline = time.monotonic() + reach_wait_s
+    while True:
+        group = read_group(client, keys)
+        if group is None or group.round != round_:
+            return None, "no group record" if group is None else f"the group record is round {group.round}'s"
+        reach = group_reach(client, keys, group.name, round_)
+        if reach is Reach.ALIVE:
+            return group.name, reach.value
+        if reach is Reach.GONE or time.monotonic() >= deadline:
+            return None, reach.value
+        time.sleep(_REACH_POLL_S)
