@@ -7,9 +7,10 @@ tree at one moment), and making sure nothing a benchmark started outlives it: ev
 ``ELASTICD_BENCH_TAG`` in its environment (workers inherit it), and :meth:`Launcher.close` sweeps whatever still
 has it. It also owns what a result records and where it goes: the commit (:func:`code_revision`), the machine and
 versions, other processes' CPU use (:func:`wait_for_quiet`, :func:`foreign_cores`), and
-``bench/results/<benchmark>-<commit>[-dirty].json`` (:func:`results_path`, :func:`write_results`).
+``bench/results/<benchmark>-<commit>[-<tag>][-dirty].json`` (:func:`results_path`, :func:`write_results`).
 
-Standalone on purpose: benchmarks never import from ``tests/``.
+Standalone on purpose: benchmarks never import from ``tests/`` (only ``bench/recovery.py --netns`` borrows
+``tests/integration/netns.py``'s hosts, through ``bench/hosts.py``).
 """
 
 from __future__ import annotations
@@ -302,12 +303,14 @@ def code_revision() -> dict[str, Any]:
     return {"commit": git("rev-parse", "--short", "HEAD") or None, "uncommitted_changes": bool(changed)}
 
 
-def results_path(name: str, revision: dict[str, Any]) -> Path:
-    """``bench/results/<name>-<short commit>[-dirty].json`` (``unknown`` for the commit outside a git checkout):
-    where a benchmark writes its raw results unless told otherwise. ``-dirty``: ``elasticd/`` or ``examples/``
-    differed from the commit."""
+def results_path(name: str, revision: dict[str, Any], tag: str = "") -> Path:
+    """``bench/results/<name>-<short commit>[-<tag>][-dirty].json`` (``unknown`` for the commit outside a git
+    checkout): where a benchmark writes its raw results unless told otherwise. ``tag``: a variant of the run (e.g.
+    ``netns``); ``-dirty``: ``elasticd/`` or ``examples/`` differed from the commit."""
+    assert tag == "" or (tag.isalpha() and tag.islower()), tag  # bench/report.py reads the commit back past it
+    suffix = f"-{tag}" if tag else ""
     dirty = "-dirty" if revision.get("uncommitted_changes") else ""
-    return RESULTS_DIR / f"{name}-{revision.get('commit') or 'unknown'}{dirty}.json"
+    return RESULTS_DIR / f"{name}-{revision.get('commit') or 'unknown'}{suffix}{dirty}.json"
 
 
 def report_header(script: str, argv: Sequence[str] | None, revision: dict[str, Any]) -> dict[str, Any]:

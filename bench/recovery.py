@@ -32,6 +32,10 @@ checkpoint dir per trial and system):
   in place (the culprit's node kills its worker, which comes back as a joiner), or, cold, the first step of the
   restarted workers at ``world_size == 3`` (another pid on rank 0, or another world size, than before the stop).
   The victim node is then killed.
+- ``node_isolated`` (``--netns`` only, every system): the same node as ``node_loss`` is cut off both networks at the
+  switch (its data and control links down: frames dropped, no reset, its processes running), as a dead switch port
+  or a partition does. From the cut to the first step at ``world_size == 2``; the node is then killed and its links
+  restored.
 
 Systems: ``elasticd`` (its defaults: ``--recovery hot``, keep-alive 1 s x 3, last call 2 s), ``elasticd-cold``
 (``--recovery cold``: every membership change restarts the workers from the newest checkpoint, the fallback),
@@ -46,10 +50,16 @@ headline number, each sample records when the phases of the recovery ended (fail
 workers started, worker ready, first step), from the daemons' JSON events (elasticd) or torch's log lines
 (torchrun, run with ``LOGLEVEL=INFO``).
 
-    python bench/recovery.py [--trials 3] [--only SYSTEM ...] [--scenarios SCENARIO ...] [--json OUT] [--logs DIR]
+    python bench/recovery.py [--trials 3] [--only SYSTEM ...] [--scenarios SCENARIO ...] [--netns] [--json OUT]
+                             [--logs DIR]
+
+``--netns`` runs every node of a job on a host of its own (``bench/hosts.py``: a network namespace per node, on a
+data and a control network; etcd on the control network, torchrun's store on n0's data address, gloo on the data
+network) instead of 127.0.0.1; its scenarios are ``node_loss`` and ``node_isolated`` unless ``--scenarios`` says
+otherwise, and its results file is tagged ``-netns``.
 
 The raw results (commit, machine, versions, every sample, the summary) go to ``bench/results/recovery-<short
-commit>.json`` unless ``--json`` says otherwise (``-dirty`` is appended when ``elasticd/`` or ``examples/``
+commit>[-netns].json`` unless ``--json`` says otherwise (``-dirty`` is appended when ``elasticd/`` or ``examples/``
 differed from the commit).
 """
 
@@ -58,6 +68,7 @@ from __future__ import annotations
 import abc
 import argparse
 import contextlib
+import ipaddress
 import itertools
 import math
 import os
@@ -93,7 +104,6 @@ from bench.common import (
     glog_to_unix,
     interrupt_on_sigterm,
     iso_to_unix,
-    listening_on,
     preflight,
     report_header,
     results_path,
@@ -103,6 +113,7 @@ from bench.common import (
     wait_until,
     write_results,
 )
+from bench.hosts import NETNS_NETWORK, Loopback, Namespaces, Placement
 from bench.workloads import LARGE, SCRIPT_NAME, SMALL, Workload
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.options import MAX_RESTARTS as MAX_RESTARTS_OPTION
@@ -150,6 +161,7 @@ class Scenario(StrEnum):
     NODE_LOSS_RANK0 = "node_loss_rank0"
     NODE_VANISH = "node_vanish"
     HANG = "hang"
+    NODE_ISOLATED = "node_isolated"
     JOIN_LARGE = "join_large"
     NODE_LOSS_LARGE = "node_loss_large"
 
@@ -161,6 +173,7 @@ class Scenario(StrEnum):
             Scenario.NODE_LOSS_RANK0: "node loss, rank-0 node",
             Scenario.NODE_VANISH: "vanished node (SIGSTOP)",
             Scenario.HANG: "hung worker (SIGSTOP, auto)",
+            Scenario.NODE_ISOLATED: "node cut off (3 -> 2)",
             Scenario.JOIN_LARGE: "join, 1.2 GB state",
             Scenario.NODE_LOSS_LARGE: "node loss, 1.2 GB state",
         }[self]
@@ -186,6 +199,23 @@ SCENARIOS = {
     "torchrun": (Scenario.JOIN, Scenario.NODE_LOSS),
     "torchrun-tuned": (Scenario.JOIN, Scenario.NODE_LOSS),
 }
+# --netns: node loss by kill -9 and by full isolation, for every system (the isolation needs hosts of their own).
+NETNS_SCENARIOS = (Scenario.NODE_LOSS, Scenario.NODE_ISOLATED)
+
+
+def scenarios_for(system: str, netns: bool, asked: Sequence[Scenario] | None = None) -> list[Scenario]:
+    """The scenarios a trial of ``system`` measures, in order: ``asked`` (default: all) among what it can run."""
+    if netns:
+        runnable = [*SCENARIOS[system], Scenario.NODE_ISOLATED]
+        default: Sequence[Scenario] = NETNS_SCENARIOS
+    else:
+        runnable, default = list(SCENARIOS[system]), SCENARIOS[system]
+    # the order of every scenario (Scenario's), so a trial still starts with the join when one is asked for
+    wanted = set(default if asked is None else asked) & set(runnable)
+    return [sc for sc in _TRIAL_ORDER if sc in wanted]
+
+
+_TRIAL_ORDER = (*_EVERY_FAULT, Scenario.NODE_ISOLATED, Scenario.JOIN_LARGE, Scenario.NODE_LOSS_LARGE)
 
 
 @dataclass
@@ -220,24 +250,36 @@ class Job(abc.ABC):
     system = ""
 
     def __init__(
-        self, launcher: Launcher, run_id: str, checkpoint_dir: Path, script: Path, workload: Workload = SMALL
+        self,
+        launcher: Launcher,
+        run_id: str,
+        checkpoint_dir: Path,
+        script: Path,
+        workload: Workload = SMALL,
+        *,
+        placement: Placement | None = None,
     ) -> None:
         self.launcher = launcher
         self.run_id = run_id
         self.checkpoint_dir = checkpoint_dir
         self.script = script
         self.workload = workload
+        self.placement: Placement = placement or Loopback()
 
     @abc.abstractmethod
     def command(self, name: str) -> list[str]:
         """The node's command line."""
+
+    def node_command(self, name: str) -> list[str]:
+        """The node's command line as its placement starts it (on its own host under ``--netns``)."""
+        return self.placement.command(name, self.command(name))
 
     def env(self) -> dict[str, str]:
         return {}
 
     def start_node(self, name: str | None = None) -> Node:
         name = name or f"n{len(self.launcher.nodes)}"
-        return self.launcher.start(name, self.command(name), self.env())
+        return self.launcher.start(name, self.node_command(name), self.env())
 
     def start_initial(self) -> None:
         """The job's first ``MIN_NODES`` nodes."""
@@ -286,8 +328,10 @@ class ElasticdJob(Job):
         etcd: str,
         recovery: str = "hot",
         workload: Workload = SMALL,
+        *,
+        placement: Placement | None = None,
     ) -> None:
-        super().__init__(launcher, run_id, checkpoint_dir, script, workload)
+        super().__init__(launcher, run_id, checkpoint_dir, script, workload, placement=placement)
         self.etcd = etcd
         self.recovery = recovery
         self.system = "elasticd" if recovery == "hot" else "elasticd-cold"
@@ -295,7 +339,8 @@ class ElasticdJob(Job):
     def command(self, name: str) -> list[str]:
         return [
             sys.executable, "-m", "elasticd", "start",
-            "--etcd", self.etcd, "--run-id", self.run_id, "--node-id", name, "--local-addr", "127.0.0.1",
+            "--etcd", self.etcd, "--run-id", self.run_id, "--node-id", name,
+            "--local-addr", self.placement.local_addr(name),
             "--min-nodes", str(MIN_NODES), "--max-nodes", str(MAX_NODES), "--nproc-per-node", "1",
             "--metrics-port", "0", "--log-format", "json", "--checkpoint-dir", str(self.checkpoint_dir),
             "--checkpoint-every-steps", str(CHECKPOINT_EVERY_STEPS), "--recovery", self.recovery,
@@ -352,8 +397,9 @@ class TorchrunJob(Job):
         *,
         tuned: bool = False,
         workload: Workload = SMALL,
+        placement: Placement | None = None,
     ) -> None:
-        super().__init__(launcher, run_id, checkpoint_dir, script, workload)
+        super().__init__(launcher, run_id, checkpoint_dir, script, workload, placement=placement)
         self.port = free_port()
         self.host_name = ""
         self.tuned = tuned
@@ -361,13 +407,20 @@ class TorchrunJob(Job):
             self.system = "torchrun-tuned"
 
     def command(self, name: str) -> list[str]:
-        tuning = ["--rdzv-conf", TUNED_RDZV_CONF] if self.tuned else []
+        store = self.placement.local_addr(STORE_NODE)
+        conf = [TUNED_RDZV_CONF] if self.tuned else []
+        if name == STORE_NODE and not ipaddress.ip_address(store).is_loopback:
+            # c10d takes a loopback endpoint for its own, or one its host name resolves to; on a host of its own
+            # the name resolves to 127.0.0.1, so the store's node is told (c10d's documented is_host).
+            conf.append("is_host=1")
+        tuning = ["--rdzv-conf", ",".join(conf)] if conf else []
         return [
             sys.executable, "-m", "torch.distributed.run",
             "--nnodes", f"{MIN_NODES}:{MAX_NODES}", "--nproc-per-node", "1",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", self.run_id,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{store}:{self.port}", "--rdzv-id", self.run_id,
             *tuning,
-            "--max-restarts", str(MAX_RESTARTS), "--monitor-interval", "0.1", "--local-addr", "127.0.0.1",
+            "--max-restarts", str(MAX_RESTARTS), "--monitor-interval", "0.1",
+            "--local-addr", self.placement.local_addr(name),
             str(self.script), *self.workload.script_args,
         ]  # fmt: skip
 
@@ -375,20 +428,24 @@ class TorchrunJob(Job):
         # Without it torchrun never recovers from losing a node (pytorch#135712). LOGLEVEL=INFO only makes
         # torch log its rendezvous and restarts, which is where the phase times come from. The ELASTICD_* ones
         # give the worker library (daemon-free here) the checkpoint dir and cadence elasticd's workers get.
+        # On hosts of their own gloo must bind the data network's interface, as torchrun's docs advise for a
+        # host with several (elasticd derives it from --local-addr itself).
+        interface = self.placement.interface
         return {
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             "LOGLEVEL": "INFO",
             "ELASTICD_CHECKPOINT_DIR": str(self.checkpoint_dir),
             "ELASTICD_RUN_ID": self.run_id,
             "ELASTICD_CHECKPOINT_EVERY_STEPS": str(CHECKPOINT_EVERY_STEPS),
+            **({GLOO_SOCKET_IFNAME: interface} if interface else {}),
         }
 
     def start_initial(self) -> None:
         # The first node binds the rendezvous store; started alone, it is the host for certain.
-        host = self.start_node()
+        host = self.start_node(STORE_NODE)
         self.host_name = host.name
         wait_until(
-            lambda: listening_on(host, self.port) or _exited(host),
+            lambda: self.placement.listening(host, self.port) or _exited(host),
             STORE_HOST_TIMEOUT_S,
             f"torchrun {host.name} to listen on {self.port}",
         )
@@ -432,6 +489,11 @@ class TorchrunJob(Job):
         rendezvous = [t for t, _, _ in self._rounds(node) if t0 < t <= t1]
         return {"detected": detected, "rendezvous": rendezvous}
 
+
+# The node that hosts torchrun's c10d store: the first one started (Job.start_node's naming), never a victim.
+STORE_NODE = "n0"
+# torch's gloo reads the interface to bind from this (set for torchrun's workers on hosts of their own).
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
 
 # How long after a step line its beat may reach the daemon's log (s); beats are local datagrams.
 _BEAT_SLACK_S = 5.0
@@ -683,8 +745,25 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
             return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet, before=before)
         finally:
             victim.kill()
+    if scenario is Scenario.NODE_ISOLATED:
+        return measure_isolation(job, trial, victim, quiet)
     t0 = victim.kill()
     return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
+
+
+def measure_isolation(job: Job, trial: int, victim: Node, quiet: Quiet) -> Sample:
+    """``victim``'s host cut off both networks at t0 (its processes running, nothing reset); then it is killed,
+    before its links come back, so it never rejoins the group it was cut from."""
+    placement = job.placement
+    if not isinstance(placement, Namespaces):
+        raise ValueError(f"{Scenario.NODE_ISOLATED.value} needs hosts of their own (--netns)")
+    t0 = time.time()
+    placement.isolate(victim.name)
+    try:
+        return measure(job, trial, Scenario.NODE_ISOLATED, MIN_NODES, t0, victim, quiet)
+    finally:
+        victim.kill()
+        placement.heal(victim.name)
 
 
 def measure_scenario(job: Job, trial: int, scenario: Scenario) -> Sample:
@@ -717,50 +796,79 @@ def run_trial(job: Job, trial: int, scenarios: Sequence[Scenario]) -> list[Sampl
 
 
 def start_job(
-    stack: ExitStack, system: str, trial_dir: Path, run_id: str, code: Path, workload: Workload = SMALL
+    stack: ExitStack,
+    system: str,
+    trial_dir: Path,
+    run_id: str,
+    code: Path,
+    workload: Workload = SMALL,
+    netns: bool = False,
 ) -> Job:
-    """The job of ``system`` training ``workload`` in ``trial_dir`` (elasticd: with an etcd of its own), torn down
-    when ``stack`` unwinds: every node is dead before etcd stops, so no daemon sees etcd go."""
+    """The job of ``system`` training ``workload`` in ``trial_dir`` (elasticd: with an etcd of its own; ``netns``:
+    on a network of hosts of its own), torn down when ``stack`` unwinds: every node is dead before etcd stops, so
+    no daemon sees etcd go, and before the network goes."""
+    placement = _placement(stack) if netns else Loopback()
     launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
     script = code / "examples" / SCRIPT_NAME
+    checkpoints = trial_dir / "checkpoints"
     job: Job
     if system in ("elasticd", "elasticd-cold"):
         # fsync on, as a production etcd runs: the rendezvous writes pay their real cost.
-        etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", unsafe_no_fsync=False)
+        etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", host=placement.etcd_host, unsafe_no_fsync=False)
         etcd.start(ready_timeout_s=30.0)
         stack.callback(etcd.stop)
         recovery = "cold" if system == "elasticd-cold" else "hot"
-        job = ElasticdJob(launcher, run_id, trial_dir / "checkpoints", script, etcd.endpoint, recovery, workload)
+        job = ElasticdJob(launcher, run_id, checkpoints, script, etcd.endpoint, recovery, workload, placement=placement)
     else:
         tuned = system == "torchrun-tuned"
-        job = TorchrunJob(launcher, run_id, trial_dir / "checkpoints", script, tuned=tuned, workload=workload)
+        job = TorchrunJob(launcher, run_id, checkpoints, script, tuned=tuned, workload=workload, placement=placement)
     stack.callback(launcher.close)
     return job
 
 
+def _placement(stack: ExitStack) -> Namespaces:
+    """A network of hosts of their own for one job, deleted when ``stack`` unwinds."""
+    from tests.integration.netns import Network  # only --netns borrows the integration tests' hosts
+
+    return Namespaces(stack.enter_context(Network()))
+
+
 def run_system_trial(
-    system: str, trial: int, workdir: Path, code: Path, scenarios: Sequence[Scenario] | None = None
+    system: str,
+    trial: int,
+    workdir: Path,
+    code: Path,
+    scenarios: Sequence[Scenario] | None = None,
+    netns: bool = False,
 ) -> list[Sample]:
     """One trial of one system: per workload its scenarios need, a job with its own etcd (elasticd) or port
-    (torchrun), run id and checkpoint dir.
+    (torchrun), run id and checkpoint dir (``netns``: and network).
 
     ``code`` is a :func:`snapshot_code` copy: every node imports elasticd from it and runs its train.py."""
-    chosen = [sc for sc in SCENARIOS[system] if scenarios is None or sc in scenarios]
+    chosen = scenarios_for(system, netns, scenarios)
     samples: list[Sample] = []
     for workload in (SMALL, LARGE):
         if mine := [sc for sc in chosen if sc.workload is workload]:
             suffix = "" if workload is SMALL else f"-{workload.name}"
-            samples += _run_job(system, trial, workdir / f"{system}-{trial}{suffix}", code, workload, mine)
+            trial_dir = workdir / f"{system}-{trial}{suffix}"
+            samples += _run_job(system, trial, trial_dir, code, workload, mine, netns=netns)
     return samples
 
 
 def _run_job(
-    system: str, trial: int, trial_dir: Path, code: Path, workload: Workload, scenarios: Sequence[Scenario]
+    system: str,
+    trial: int,
+    trial_dir: Path,
+    code: Path,
+    workload: Workload,
+    scenarios: Sequence[Scenario],
+    netns: bool = False,
 ) -> list[Sample]:
     run_id = f"bench-{system}-{trial}-{workload.name}-{uuid.uuid4().hex[:6]}"
-    print(f"[{system} trial {trial}] starting the {workload.name} job", file=sys.stderr)
+    where = " on hosts of their own" if netns else ""
+    print(f"[{system} trial {trial}] starting the {workload.name} job{where}", file=sys.stderr)
     with ExitStack() as stack:
-        job = start_job(stack, system, trial_dir, run_id, code, workload)
+        job = start_job(stack, system, trial_dir, run_id, code, workload, netns=netns)
         samples = run_trial(job, trial, scenarios)
         if any(s.seconds is None for s in samples):
             (trial_dir / "diagnostics.txt").write_text(
@@ -853,7 +961,8 @@ def verdict(
         return ""
     if scenario is Scenario.JOIN:
         return join_verdict(phases or {})
-    if scenario is Scenario.NODE_VANISH:
+    if scenario in (Scenario.NODE_VANISH, Scenario.NODE_ISOLATED):
+        # an isolated node is a vanished one seen from the network: nothing resets, detection rests on leases
         return f"hot <= {TARGET_VANISH_S:g} s: " + ("met" if elasticd_s <= TARGET_VANISH_S else "MISSED")
     if scenario is Scenario.HANG:
         return f"hot <= {TARGET_HANG_S:g} s: " + ("met" if elasticd_s <= TARGET_HANG_S else "MISSED")
@@ -932,9 +1041,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="measure these scenarios only (default: all; a node loss still grows the job to 3 nodes first)",
     )
     p.add_argument(
+        "--netns",
+        action="store_true",
+        help="every node on a host of its own (a network namespace; needs root and iproute2); default scenarios: "
+        "node_loss and node_isolated",
+    )
+    p.add_argument(
         "--json",
         type=Path,
-        help="where to write every sample and the summary (default: bench/results/recovery-<commit>.json)",
+        help="where to write every sample and the summary (default: bench/results/recovery-<commit>[-netns].json)",
     )
     p.add_argument(
         "--quiet-timeout",
@@ -950,7 +1065,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--trials must be at least 1")
     if not 0 <= args.quiet_timeout <= 3600:
         p.error("--quiet-timeout must be between 0 and 3600 s")
+    if not args.netns and args.scenarios and Scenario.NODE_ISOLATED.value in args.scenarios:
+        p.error(
+            f"--scenarios {Scenario.NODE_ISOLATED.value} needs --netns (cutting a node off needs hosts of their own)"
+        )
+    if args.netns and (why := netns_unavailable()) is not None:
+        p.error(f"--netns: {why}")
     return args
+
+
+def netns_unavailable() -> str | None:
+    """Why ``--netns`` cannot run here (not root, no iproute2), or None."""
+    from tests.integration.netns import unavailable
+
+    return unavailable()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -976,18 +1104,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Trials alternate between systems, so a slow spell of the machine does not land on one system only.
         for trial in range(1, args.trials + 1):
             for system in systems:
-                samples += run_system_trial(system, trial, workdir, code, scenarios)
+                samples += run_system_trial(system, trial, workdir, code, scenarios, netns=args.netns)
     except KeyboardInterrupt:
         print(f"interrupted; node logs: {workdir}", file=sys.stderr)
         return 130
     rows = summarize(samples)
     print(render(rows))
     failed = any(s.seconds is None for s in samples)
-    out = args.json or results_path("recovery", revision)
+    out = args.json or results_path("recovery", revision, tag="netns" if args.netns else "")
     report = {
         **report_header("recovery.py", argv, revision),
         "config": {
-            "backend": "gloo (CPU), one worker per node, 127.0.0.1",
+            "backend": "gloo (CPU), one worker per node, " + ("its host's data address" if args.netns else "127.0.0.1"),
+            **({"network": NETNS_NETWORK} if args.netns else {}),
             "script_args": list(SCRIPT_ARGS),
             "workloads": {
                 w.name: {"script_args": list(w.script_args), "parameters": w.parameters, "state_bytes": w.state_bytes}

@@ -32,8 +32,9 @@ from bench.tables import KINDS
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 _BLOCK = re.compile(r"(<!-- bench:(\w+) (\S+) -->\n)(.*?)(<!-- /bench -->)", re.DOTALL)
-# bench/results/<benchmark>[-<what>]-<short commit>[-<tag>].json, as bench/common.py's results_path names them
-_COMMIT_IN_NAME = re.compile(r"-([0-9a-f]{7,40})(?:-[a-z]+)?\.json$")
+# bench/results/<benchmark>[-<what>]-<short commit>[-<tag>][-dirty].json, as bench/common.py's results_path names
+# them (e.g. recovery-abc1234-netns-dirty.json)
+_COMMIT_IN_NAME = re.compile(r"-([0-9a-f]{7,40})(?:-[a-z]+)*\.json$")
 
 
 def load(source: Path) -> dict[str, Any]:

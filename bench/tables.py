@@ -26,6 +26,7 @@ _RECOVERY_LABELS = {
     "node_loss_rank0": "node loss, rank-0 node",
     "node_vanish": "vanished node (SIGSTOP)",
     "hang": "hung worker (SIGSTOP of one worker, --hang-timeout auto)",
+    "node_isolated": "node cut off (data and control links, 3 -> 2)",
     "join_large": "join (2 -> 3 nodes), 1.2 GB state",
     "node_loss_large": "node loss (kill -9, 3 -> 2), 1.2 GB state",
 }
@@ -183,7 +184,9 @@ def _recovery_setup(config: dict[str, Any]) -> str:
         state += " weights and AdamW moments"
     budget = config.get("max_restarts")
     restarts = f"--max-restarts {budget} for every system" if budget is not None else "restart budget not recorded"
-    return f"3 node processes on one host, {backend}; {state}; {restarts}"
+    # --netns: the hosts are namespaces of one machine (bench/hosts.py)
+    where = f"one machine ({config['network']})" if "network" in config else "one host"
+    return f"3 node processes on {where}, {backend}; {state}; {restarts}"
 
 
 def _bytes(n: int) -> str:

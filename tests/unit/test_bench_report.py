@@ -312,7 +312,13 @@ def test_the_large_state_runs_on_a_job_of_its_own_after_the_small_jobs_and_for_e
     jobs: list[tuple[str, str, list[str]]] = []
 
     def run_job(
-        system: str, trial: int, trial_dir: Path, code: Path, workload: workloads.Workload, scenarios: Any
+        system: str,
+        trial: int,
+        trial_dir: Path,
+        code: Path,
+        workload: workloads.Workload,
+        scenarios: Any,
+        netns: bool = False,
     ) -> list[recovery.Sample]:
         jobs.append((trial_dir.name, workload.name, [sc.value for sc in scenarios]))
         return []
