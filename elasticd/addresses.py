@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import psutil
 
 from elasticd import envvars
+from elasticd import options as o
+from elasticd.errors import ConfigError
 
 # the collectives' interface variables, each honoured when the user set it
 _IFNAME_VARS = (envvars.GLOO_SOCKET_IFNAME, envvars.NCCL_SOCKET_IFNAME)
@@ -95,3 +97,27 @@ def collective_env(local_addr: str, environ: Mapping[str, str]) -> CollectiveInt
             env[name] = interface
             fields[name] = interface
     return CollectiveInterface(env, fields)
+
+
+def check_local_addr(local_addr: str | None, etcd_hosts: list[str], max_nodes: int) -> None:
+    """At the daemon's start: ``--local-addr`` must be an address of this host; left out, the host name stands for
+    it, and must not be a loopback address while the nodes meet at an etcd on another host (DESIGN.md,
+    "Addresses"). A :class:`ConfigError` (one line, exit 2) otherwise. Not part of resolving the configuration,
+    which must give the same answer on any machine (the deployment tests resolve a pod's on theirs)."""
+    if local_addr is not None:
+        if interface_of(local_addr) is None:
+            ours = sorted({a for found in interfaces().values() for a in found})
+            raise ConfigError(
+                o.LOCAL_ADDR.flag, f"{local_addr!r} is not an address of this host (its addresses: {', '.join(ours)})"
+            )
+        return
+    if max_nodes < 2 or not etcd_hosts or all(is_loopback(host) for host in etcd_hosts):
+        return  # one node, or every node on this host: loopback reaches them all
+    name = socket.getfqdn()
+    if is_loopback(name):
+        raise ConfigError(
+            o.LOCAL_ADDR.flag,
+            f"not set, and this host's name {name!r} resolves to {', '.join(resolve(name))}, a loopback address, "
+            f"while etcd is at {', '.join(etcd_hosts)}: nodes on other hosts could not reach this one. "
+            "Set --local-addr to the address they reach this node at",
+        )

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from elasticd import addresses
 from elasticd import options as o
 from elasticd.accelerate_env import precheck
 from elasticd.endpoints import Endpoint, format_endpoints
@@ -109,32 +108,9 @@ def build_start_config(values: Mapping[str, Any]) -> StartConfig:
         raise ConfigError(o.ETCD.flag, "TLS and credential options need an external etcd (--etcd HOST:PORT)")
     if resolved["accelerate_config"] is not None:
         precheck(resolved["accelerate_config"])
-    _check_local_addr(resolved["local_addr"], resolved["etcd"], resolved["max_nodes"])
     return StartConfig(
         script=script,
         script_args=tuple(str(a) for a in values.get("script_args") or ()),
         etcd_access=access,
         **resolved,
     )
-
-
-def _check_local_addr(local_addr: str | None, etcd: tuple[Endpoint, ...], max_nodes: int) -> None:
-    """``--local-addr`` must be an address of this host; left out, the host name stands for it, and must not be a
-    loopback address while the nodes meet at an etcd on another host (DESIGN.md, "Addresses")."""
-    if local_addr is not None:
-        if addresses.interface_of(local_addr) is None:
-            ours = sorted({a for found in addresses.interfaces().values() for a in found})
-            raise ConfigError(
-                o.LOCAL_ADDR.flag, f"{local_addr!r} is not an address of this host (its addresses: {', '.join(ours)})"
-            )
-        return
-    if max_nodes < 2 or not etcd or all(addresses.is_loopback(e.host) for e in etcd):
-        return  # one node, or every node on this host: loopback reaches them all
-    name = socket.getfqdn()
-    if addresses.is_loopback(name):
-        raise ConfigError(
-            o.LOCAL_ADDR.flag,
-            f"not set, and this host's name {name!r} resolves to {', '.join(addresses.resolve(name))}, a loopback "
-            f"address, while etcd is at {format_endpoints(etcd)}: nodes on other hosts could not reach this one. "
-            "Set --local-addr to the address they reach this node at",
-        )

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from elasticd import __version__, envvars, rundir
 from elasticd.accelerate_env import default_threads, physical_cores, worker_environment
-from elasticd.addresses import collective_env, listen_address
+from elasticd.addresses import check_local_addr, collective_env, listen_address
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
@@ -65,6 +65,8 @@ OUT_OF_REACH_POLL_S = 1.0
 
 def run_daemon(cfg: StartConfig) -> int:
     """Run this node's part of the job until it finishes, drains or gives up; returns the exit code."""
+    # before anything starts: an address other nodes could not reach is a usage error (exit 2), not a crash loop
+    check_local_addr(cfg.local_addr, [e.host for e in cfg.etcd], cfg.max_nodes)
     configure_logging(cfg.log_format)
     log = get_logger(run_id=cfg.run_id, node_id=cfg.node_id)
     # before anything starts: a directory no save can be written to is a usage error (exit 2), not a crash loop

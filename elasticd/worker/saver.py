@@ -70,6 +70,8 @@ EXIT_SETTLE_S = 30.0
 _NO_SNAPSHOT = frozenset(
     {DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
 )
+# How often a rank waiting in a save's agreement looks whether the group failed elsewhere (hot recovery), in s.
+_AGREEMENT_POLL_S = 0.001
 # Rank 0's writer looks for the other ranks' markers this often (s): one stat per rank on the shared filesystem.
 _MARKER_POLL_S = 0.05
 # accelerate's random_states_{rank}.pkl holds torch_{device}_manual_seed for each device whose is_{device}_available().
@@ -239,6 +241,10 @@ class CheckpointSaver:
         # Hot recovery sets it: a failed collective of a save is then a failed step (re-formed in place at the next
         # step boundary), not the worker's end; it is called with the reason.
         self.on_group_failure: Callable[[str], None] | None = None
+        # Hot recovery sets it too: has the step already failed elsewhere (a peer's failure notice)? A rank waiting in
+        # a save's agreement for a peer that itself waits on a dead rank sees no reset (only the dead rank's peers
+        # do): it leaves the agreement on the notice instead.
+        self.group_failed: Callable[[], bool] | None = None
         atexit.register(self._settle_at_exit)
 
     def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> bool | None:
@@ -458,7 +464,7 @@ class CheckpointSaver:
         failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=acc.device)
         work = dist.all_reduce(failed, op=dist.ReduceOp.SUM, async_op=True)
         try:
-            _collective(work.wait, self.on_group_failure)
+            _collective(lambda: _wait(work, self.group_failed), self.on_group_failure)
         except _GroupFailedError:
             keep_forever(work)  # a failed gloo Work's destructor may throw (backend.keep_forever)
             raise
@@ -543,6 +549,17 @@ class _GroupFailedError(Exception):
 
 class _HandedOverError(Exception):
     """The group re-formed in place before this write was sealed: it is abandoned."""
+
+
+def _wait(work: Any, group_failed: Callable[[], bool] | None) -> None:
+    """Wait for a collective of a save; with ``group_failed``, poll it and give up (a RuntimeError, as a failed
+    collective raises) once the group is known to have failed elsewhere."""
+    if group_failed is not None:
+        while not work.is_completed():
+            if group_failed():
+                raise RuntimeError("the group failed elsewhere (a failure notice) while this rank waited")
+            time.sleep(_AGREEMENT_POLL_S)
+    work.wait()
 
 
 def _collective(call: Callable[[], Any], on_group_failure: Callable[[str], None] | None) -> Any:

@@ -11,7 +11,7 @@ import pytest
 
 from elasticd import addresses, envvars
 from elasticd.cli import main
-from elasticd.config import StartConfig
+from elasticd.errors import ConfigError
 from tests.unit.test_cli_config import assert_one_line_error
 
 # TEST-NET-2 (RFC 5737): never an address of this host
@@ -49,47 +49,32 @@ def test_the_collectives_get_the_interface_of_the_local_address_unless_the_user_
     assert "set by the user" in mine.fields[envvars.GLOO_SOCKET_IFNAME]
 
 
-@pytest.fixture
-def script(tmp_path: Path) -> Path:
-    path = tmp_path / "train.py"
-    path.write_text("print('hi')\n")
-    return path
+def test_a_local_address_that_is_not_this_hosts_is_a_config_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match="not an address of this host") as raised:
+        addresses.check_local_addr(FOREIGN, [], 1)
+    assert "--local-addr" in str(raised.value) and FOREIGN in str(raised.value)
+    with pytest.raises(ConfigError, match="not an address of this host"):
+        addresses.check_local_addr("not an address", ["127.0.0.1"], 3)
+    addresses.check_local_addr("127.0.0.1", [FOREIGN], 3)  # an address of this host: fine
 
 
-@pytest.fixture
-def captured(monkeypatch: pytest.MonkeyPatch) -> list[StartConfig]:
-    seen: list[StartConfig] = []
-
-    def record(cfg: StartConfig) -> int:
-        seen.append(cfg)
-        return 0
-
-    monkeypatch.setattr("elasticd.agent.daemon.run_daemon", record)
-    return seen
-
-
-def test_a_local_address_that_is_not_this_hosts_is_one_line_and_exit_2(
-    script: Path, captured: list[StartConfig], capsys: pytest.CaptureFixture[str]
-) -> None:
-    code = main(["start", "--local-addr", FOREIGN, str(script)])
-    assert_one_line_error(code, capsys.readouterr().err, "--local-addr", FOREIGN, "not an address of this host")
-    code = main(["start", "--local-addr", "not an address", str(script)])
-    assert_one_line_error(code, capsys.readouterr().err, "--local-addr", "not an address of this host")
-    assert not captured
-    assert main(["start", "--local-addr", "127.0.0.1", str(script)]) == 0
-    assert captured[-1].local_addr == "127.0.0.1"
-
-
-def test_a_host_name_that_stands_for_loopback_with_a_remote_etcd_is_one_line_and_exit_2(
-    script: Path, captured: list[StartConfig], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+def test_a_host_name_that_stands_for_loopback_with_a_remote_etcd_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(socket, "getfqdn", lambda *_: "localhost")  # as Debian's /etc/hosts makes a host's name
-    remote = ["--etcd", f"{FOREIGN}:2379", "--max-nodes", "3"]
-    code = main(["start", *remote, str(script)])
-    assert_one_line_error(code, capsys.readouterr().err, "--local-addr", "'localhost'", "loopback", FOREIGN)
-    assert not captured
-    # fine: one node; every node on this host (etcd on loopback); the address given
-    assert main(["start", "--etcd", f"{FOREIGN}:2379", str(script)]) == 0
-    assert main(["start", "--etcd", "127.0.0.1:2379", "--max-nodes", "3", str(script)]) == 0
-    assert main(["start", *remote, "--local-addr", "127.0.0.1", str(script)]) == 0
-    assert len(captured) == 3
+    with pytest.raises(ConfigError, match="loopback") as raised:
+        addresses.check_local_addr(None, [FOREIGN], 3)
+    assert "--local-addr" in str(raised.value) and "'localhost'" in str(raised.value) and FOREIGN in str(raised.value)
+    addresses.check_local_addr(None, [FOREIGN], 1)  # one node: nobody needs to reach it
+    addresses.check_local_addr(None, ["127.0.0.1"], 3)  # every node on this host
+    addresses.check_local_addr(None, [], 3)  # the embedded etcd
+
+
+def test_the_daemon_checks_the_address_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    code = main(["start", "--local-addr", FOREIGN, "--checkpoint-dir", str(tmp_path / "c"), str(script)])
+    assert_one_line_error(code, capsys.readouterr().err, "--local-addr", FOREIGN, "not an address of this host")
+    assert not (tmp_path / "c").exists()  # nothing was started or created
