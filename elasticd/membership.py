@@ -205,25 +205,25 @@ class Membership:
     def notify_group(self, text: str) -> bool:
         """Write the failure notice of the group training in place now (``membership/group``): its members fail
         their step with ``text`` within milliseconds, even inside a collective. False when no group trains so."""
-        found = self._client.get(self._keys.membership_group)
-        if found is None:
-            return False
-        group = str(json.loads(found[0])["group"])
-        current = self.current()
-        epoch = 0 if current is None else current[0].number
-        return self._client.create(self._keys.membership_notice(group, epoch), text)
+        now = self._group_now()
+        return now is not None and self._client.create(self._keys.membership_notice(*now), text)
 
     def leave_group(self, node_id: str) -> bool:
         """Take ``node_id``'s workers out of the group training in place now (``membership_out``), before they are
         killed for a hang they were convicted of; False when no group trains so."""
+        now = self._group_now()
+        if now is None:
+            return False
+        self._client.put(self._keys.membership_out(*now, node_id), node_id)
+        return True
+
+    def _group_now(self) -> tuple[str, int] | None:
+        """The group training in place now (``membership/group``) and its epoch in force; None when none trains."""
         found = self._client.get(self._keys.membership_group)
         if found is None:
-            return False
-        group = str(json.loads(found[0])["group"])
+            return None
         current = self.current()
-        epoch = 0 if current is None else current[0].number
-        self._client.put(self._keys.membership_out(group, epoch, node_id), node_id)
-        return True
+        return str(json.loads(found[0])["group"]), 0 if current is None else current[0].number
 
     def forget(self, epoch: int) -> int:
         """Remove the bids for ``epoch``; call once a later epoch is in force (nobody reads them any more)."""

@@ -26,7 +26,7 @@ from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage
 from tests.integration.cluster import EXAMPLE, Cluster, train_args
-from tests.integration.netns import Network, unavailable
+from tests.integration.netns import Host, Network, unavailable
 
 pytestmark = [
     pytest.mark.integration,
@@ -64,6 +64,14 @@ def assert_same_parameters(final: Path, reference: dict[str, torch.Tensor]) -> N
     worst = max(((trained[k] - v).abs().max() / v.abs().max().clamp(min=1e-12)).item() for k, v in reference.items())
     print(f"largest relative parameter difference from the undisturbed run: {worst:.3e}")
     assert worst <= REL_TOL
+
+
+def start_on_hosts(c: Cluster, hosts: dict[str, Host]) -> dict[str, int]:
+    """A node on each host, trained to step 12 at world 3; each node's group rank."""
+    for host in hosts.values():
+        c.start(host.name, host=host)
+    c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
+    return {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
 
 
 def assert_back_after_the_heal(c: Cluster, victim: str, survivors: list[str], healed_at: float) -> None:
@@ -148,10 +156,7 @@ def test_a_node_cut_off_from_everything_is_left_behind_in_place_never_trains_alo
     client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
     with Cluster(remote_etcd.endpoint, tmp_path, run_id="isolated", min_nodes=2, max_nodes=3,
                  script_args=(*train_args(STEPS, SLEEP_S), "--save-final", str(final))) as c:  # fmt: skip
-        for host in hosts.values():
-            c.start(host.name, host=host)
-        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
-        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        ranks = start_on_hosts(c, hosts)
         victim_name = next(n for n, r in ranks.items() if r == 0)
         victim = c.nodes[victim_name]
         survivors = [n for n in hosts if n != victim_name]
@@ -198,10 +203,7 @@ def test_a_node_cut_from_its_peers_or_from_etcd_alone_leaves_one_group_training(
     client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
     with Cluster(remote_etcd.endpoint, tmp_path, run_id=run_id, min_nodes=2, max_nodes=3,
                  script_args=(*train_args(STEPS, SLEEP_S), "--save-final", str(final))) as c:  # fmt: skip
-        for host in hosts.values():
-            c.start(host.name, host=host)
-        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
-        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        ranks = start_on_hosts(c, hosts)
         victim_name = next(n for n, r in ranks.items() if r == 2)
         victim = c.nodes[victim_name]
         survivors = [n for n in hosts if n != victim_name]
@@ -249,10 +251,7 @@ def test_a_flapping_link_ends_the_run_with_one_lineage_and_the_undisturbed_param
     client = EtcdClient.connect(parse_endpoints(remote_etcd.endpoint), connect_timeout_s=10)
     with Cluster(remote_etcd.endpoint, tmp_path, run_id="flap", min_nodes=2, max_nodes=3,
                  script_args=(*train_args(STEPS, SLEEP_S), "--save-final", str(final))) as c:  # fmt: skip
-        for host in hosts.values():
-            c.start(host.name, host=host)
-        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
-        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        ranks = start_on_hosts(c, hosts)
         victim = next(n for n, r in ranks.items() if r == 2)
         try:
             for _ in range(5):
@@ -278,10 +277,7 @@ def test_a_node_that_comes_back_after_the_run_finished_without_it_exits_0_and_sa
     hosts = {h.name: h for h in (network.add(f"e{i}") for i in range(3))}
     with Cluster(remote_etcd.endpoint, tmp_path, run_id="ended", min_nodes=2, max_nodes=3,
                  script_args=train_args(60)) as c:  # fmt: skip
-        for host in hosts.values():
-            c.start(host.name, host=host)
-        c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
-        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
+        ranks = start_on_hosts(c, hosts)
         victim_name = next(n for n, r in ranks.items() if r == 2)
         victim = c.nodes[victim_name]
         network.cut(victim_name)
