@@ -26,6 +26,7 @@ from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
 from elasticd.agent.joining import group_to_join
+from elasticd.agent.node_lease import REQUEST_TIMEOUT_S as LEASE_REQUEST_TIMEOUT_S
 from elasticd.agent.node_lease import NodeLease
 from elasticd.agent.policy import SupervisorPolicy
 from elasticd.agent.reachability import reached
@@ -109,7 +110,18 @@ def run_daemon(cfg: StartConfig) -> int:
         lease: NodeLease | None = None
         if cfg.recovery == "hot":
             # the hot path's verdict on a vanished node: this key is gone about a second after we stop
-            lease = NodeLease(client, keys, cfg.node_id, on_error=lambda e: log.warning("node_lease_failed", error=e))
+            # on a client of its own: behind the shared client's lock, a refresh would wait out every other call's
+            # deadline while etcd is away, and the lease would lapse just after etcd came back (quorum regained)
+            def lease_client() -> EtcdClient:
+                return client.reconnect(request_timeout_s=LEASE_REQUEST_TIMEOUT_S)
+
+            lease = NodeLease(
+                lease_client(),
+                keys,
+                cfg.node_id,
+                on_error=lambda e: log.warning("node_lease_failed", error=e),
+                reconnect=lease_client,
+            )
             lease.start()
             stack.callback(lease.close)
         # torch loads only now (~4 s on a busy host): what a user waits to hear about (metrics port, etcd, a node id

@@ -14,21 +14,35 @@ import contextlib
 import threading
 from collections.abc import Callable
 
+from elasticd.errors import ElasticdError
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 
 TTL_S = 1
 # Four refreshes per TTL: one late refresh (a GC pause, a slow etcd round trip) must not expire the lease.
 REFRESH_S = 0.25
+# The longest one refresh may wait for etcd (its own client: nothing else queues before it). Short, so that a refresh
+# sent while etcd had no leader is given up and the next one, to a member that has one again, goes out at once:
+# after an election etcd extends every lease by about one election timeout beyond its TTL, and no more.
+REQUEST_TIMEOUT_S = 1.0
 
 
 class NodeLease:
     """Holds the key while the daemon runs; :meth:`close` revokes it (a clean exit is noticed at once)."""
 
     def __init__(
-        self, client: EtcdClient, keys: RunKeys, node_id: str, *, on_error: Callable[[str], None] = lambda _: None
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        node_id: str,
+        *,
+        on_error: Callable[[str], None] = lambda _: None,
+        reconnect: Callable[[], EtcdClient] | None = None,
     ) -> None:
-        self._client = client
+        self._client = client  # its own: closed by close()
+        self._reconnect = reconnect
+        self._connecting: threading.Thread | None = None
+        self._swap = threading.Lock()  # held while self._client is replaced
         self._keys = keys
         self._key = keys.membership_alive(node_id)
         self._node_id = node_id
@@ -42,29 +56,63 @@ class NodeLease:
         self._thread = threading.Thread(target=self._keepalive, name="elasticd-node-lease", daemon=True)
         self._thread.start()
 
+    def _current(self) -> EtcdClient:
+        with self._swap:
+            return self._client
+
     def _renew(self) -> None:
         """A new lease and the key on it (at start, and whenever the lease was lost: etcd restarted, a partition)."""
-        lease = self._client.grant_lease(TTL_S)
-        self._client.put(self._key, self._node_id, lease_id=lease)
+        client = self._current()
+        lease = client.grant_lease(TTL_S)
+        client.put(self._key, self._node_id, lease_id=lease)
         self._lease = lease
 
     def _keepalive(self) -> None:
         while not self._stop.wait(REFRESH_S):
             try:
-                if self._lease is not None and self._client.refresh_lease(self._lease):
+                if self._lease is not None and self._current().refresh_lease(self._lease):
                     continue
                 self._renew()
-            except EtcdError as exc:
+            except (EtcdError, ValueError) as exc:  # ValueError: grpc's, on the old connection closed meanwhile
                 self._on_error(str(exc))  # etcd away: the key expires, peers treat us as gone; retried next tick
+                self._fresh_connection()
+
+    def _fresh_connection(self) -> None:
+        """Start connecting anew after a failed refresh (the refreshes go on meanwhile on the old connection).
+
+        A connection that lived through a partition holds what is sent on it behind TCP's retransmission backoff,
+        seconds after the heal; when etcd regains quorum it extends every lease by about one election timeout only,
+        and a node still waiting on its old connection then loses its key (seen: one node of three, 1 s after quorum
+        came back). A new connection, made once etcd answers reads again, reaches it at once."""
+        if self._reconnect is None or (self._connecting is not None and self._connecting.is_alive()):
+            return
+        self._connecting = threading.Thread(target=self._swap_in_fresh, name="elasticd-node-lease-connect", daemon=True)
+        self._connecting.start()
+
+    def _swap_in_fresh(self) -> None:
+        assert self._reconnect is not None
+        try:
+            fresh = self._reconnect()
+        except ElasticdError:
+            return  # nobody answered within the connect timeout: the next failed refresh tries again
+        with self._swap:
+            if self._stop.is_set():
+                fresh.close()
+                return
+            old, self._client = self._client, fresh
+        old.close()
 
     def announce_leaving(self) -> None:
         """Ask this node's workers' group to let them go at its next agreed step boundary (hot recovery)."""
-        self._client.put(self._keys.membership_leaving(self._node_id), self._node_id, lease_id=self._lease)
+        self._current().put(self._keys.membership_leaving(self._node_id), self._node_id, lease_id=self._lease)
 
     def close(self) -> None:
-        self._stop.set()
+        with self._swap:
+            self._stop.set()  # no connection is swapped in from now on
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         if self._lease is not None:
             with contextlib.suppress(EtcdError):
                 self._client.revoke_lease(self._lease)
+            self._lease = None  # closing again is a no-op
+        self._client.close()

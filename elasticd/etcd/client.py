@@ -71,6 +71,14 @@ _ACCESS_DENIED = (
 )
 
 
+# What an etcd member answers while the cluster elects a leader (a leader lost or partitioned, quorum regained), and
+# what a call to a dead member ends in: worth a retry within a client's election grace (``connect``'s).
+_ELECTION = ("leader changed", "no leader", "not leader", "request timed out", "timed out waiting for read index")
+_RETRY_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+# Between two attempts within the grace (seconds): about an etcd heartbeat, at most a few.
+_ELECTION_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.05, min=0.05, max=0.5)
+
+
 class EtcdError(ElasticdError):
     """An etcd call failed; ``operation``, ``endpoint`` and the gRPC ``code`` name say where and why."""
 
@@ -79,6 +87,11 @@ class EtcdError(ElasticdError):
         self.operation = operation
         self.endpoint = endpoint
         self.code = code
+
+    @property
+    def transient(self) -> bool:
+        """An answer of an election in progress or of an unreachable member: another member may serve a retry."""
+        return self.code in _RETRY_CODES or any(m in str(self) for m in _ELECTION)
 
 
 class EtcdLeaseNotFoundError(EtcdError):
@@ -104,13 +117,15 @@ class EtcdClient:
         on_error: ErrorHook | None = None,
         *,
         login: tuple[str, str] | None = None,
-        reconnect: Callable[[], EtcdClient],
+        reconnect: Callable[..., EtcdClient],
+        election_grace_s: float = 0.0,
     ) -> None:
         self._raw = raw
         self._endpoints = tuple(endpoints)
         self._on_error = on_error
         self._login = login  # (user, password): to get a new token when etcd forgot ours
         self._reconnect = reconnect  # connect() again with the arguments that made this client
+        self._election_grace_s = election_grace_s
         self._lock = threading.RLock()
 
     @classmethod
@@ -126,8 +141,12 @@ class EtcdClient:
         user: str | None = None,
         password: str | None = None,
         on_error: ErrorHook | None = None,
+        election_grace_s: float = 0.0,
     ) -> EtcdClient:
         """Connect and check that the cluster answers, retrying until ``connect_timeout_s``.
+
+        ``election_grace_s`` > 0: a call that fails while etcd elects a leader or on a member that went away is tried
+        again (on another member: pyetcd fails over) for up to that long (a retried write may have been applied).
 
         Raises ConfigError for inconsistent TLS/auth options and EtcdUnavailableError when nobody answered.
         """
@@ -155,6 +174,7 @@ class EtcdClient:
             user=user,
             password=password,
             on_error=on_error,
+            election_grace_s=election_grace_s,
         )
 
         def attempt() -> EtcdClient:
@@ -162,6 +182,7 @@ class EtcdClient:
                 raw = _raw_client(endpoints, creds, attempt_timeout_s, user, password, on_error)
                 login = (user, password) if user is not None and password is not None else None
                 clients.append(cls(raw, endpoints, on_error, login=login, reconnect=again))
+                clients[0]._election_grace_s = 0.0  # connecting has its own retries; the grace is for calls after it
             client = clients[0]
             try:
                 client._call("status", client._raw.status)
@@ -170,6 +191,7 @@ class EtcdClient:
             except EtcdError as exc:
                 raise _access_error(exc, text) or exc from None
             client._raw.timeout = request_timeout_s
+            client._election_grace_s = election_grace_s
             return client
 
         try:
@@ -188,11 +210,11 @@ class EtcdClient:
     def endpoints(self) -> tuple[Endpoint, ...]:
         return self._endpoints
 
-    def reconnect(self) -> EtcdClient:
+    def reconnect(self, request_timeout_s: float | None = None) -> EtcdClient:
         """A new client on a connection of its own to the same endpoints, with this client's TLS files, credentials,
-        timeouts and error hook: it works on after this one is closed (close it apart). Raises what :meth:`connect`
-        raises."""
-        return self._reconnect()
+        timeouts (or ``request_timeout_s``) and error hook: it works on after this one is closed (close it apart).
+        Raises what :meth:`connect` raises."""
+        return self._reconnect() if request_timeout_s is None else self._reconnect(request_timeout_s=request_timeout_s)
 
     # -- keys ----------------------------------------------------------------------------------------------
 
@@ -388,6 +410,11 @@ class EtcdClient:
     # -- internals -----------------------------------------------------------------------------------------
 
     def _call(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T:
+        if self._election_grace_s <= 0:
+            return self._call_once(operation, fn, report, renewed)
+        return _through_elections(self._election_grace_s)(self._call_once, operation, fn, report, renewed)
+
+    def _call_once(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T:
         try:
             with self._lock:
                 return fn()
@@ -399,34 +426,17 @@ class EtcdClient:
                 for endpoint in self._raw.endpoints.values():
                     endpoint.last_failed = 0
         if not renewed and any(m in str(error) for m in _STALE_TOKEN) and self._renew_token():
-            return self._call(operation, fn, report, renewed=True)
+            return self._call_once(operation, fn, report, renewed=True)
         if report:
             self._report(error)
         raise error
 
     def _renew_token(self) -> bool:
-        """Log in again after etcd forgot our token (it restarted, or the token expired unused) or a user or role
-        changed while a request of ours was in flight ("auth: revision in header is old"); True on success.
-
-        The watch stream carries the old token, so it is replaced (watches on it end; their callers re-read)."""
+        """Log in again after etcd forgot our token (:func:`_log_in_again`); True on success."""
         if self._login is None:
             return False
-        user, password = self._login
-        request = pyetcd.etcdrpc.AuthenticateRequest(name=user, password=password)
-        try:
-            with self._lock:
-                token = self._raw.authstub.Authenticate(request, self._raw.timeout).token
-                self._raw.metadata = (("token", token),)
-                if self._raw.call_credentials is not None:
-                    self._raw.call_credentials = grpc.metadata_call_credentials(
-                        pyetcd.client.EtcdTokenCallCredentials(token)
-                    )
-                old_watcher, self._raw.watcher = self._raw.watcher, self._raw.get_watcher()
-        except _RPC_ERRORS:
-            return False
-        with contextlib.suppress(*_RPC_ERRORS):
-            old_watcher.close()
-        return True
+        with self._lock:
+            return _log_in_again(self._raw, *self._login)
 
     def _report(self, error: EtcdError) -> None:
         if self._on_error is not None:
@@ -437,6 +447,35 @@ class EtcdClient:
             return str(self._raw.endpoint_in_use.netloc)
         except Exception:  # the label is only for the message; never let it hide the real error
             return format_endpoints(list(self._endpoints))
+
+
+def _through_elections(grace_s: float) -> tenacity.Retrying:
+    """Retries of a call that failed transiently (:attr:`EtcdError.transient`) for up to ``grace_s``."""
+    return tenacity.Retrying(
+        stop=tenacity.stop_after_delay(grace_s),
+        wait=_ELECTION_RETRY_WAIT,
+        retry=tenacity.retry_if_exception(lambda e: isinstance(e, EtcdError) and e.transient),
+        reraise=True,
+    )
+
+
+def _log_in_again(raw: pyetcd.MultiEndpointEtcd3Client, user: str, password: str) -> bool:
+    """A new token after etcd forgot ours (it restarted, or the token expired unused) or a user or role changed while
+    a request of ours was in flight ("auth: revision in header is old"); True on success.
+
+    The watch stream carries the old token, so it is replaced (watches on it end; their callers re-read)."""
+    request = pyetcd.etcdrpc.AuthenticateRequest(name=user, password=password)
+    try:
+        token = raw.authstub.Authenticate(request, raw.timeout).token
+        raw.metadata = (("token", token),)
+        if raw.call_credentials is not None:
+            raw.call_credentials = grpc.metadata_call_credentials(pyetcd.client.EtcdTokenCallCredentials(token))
+        old_watcher, raw.watcher = raw.watcher, raw.get_watcher()
+    except _RPC_ERRORS:
+        return False
+    with contextlib.suppress(*_RPC_ERRORS):
+        old_watcher.close()
+    return True
 
 
 def _raw_client(

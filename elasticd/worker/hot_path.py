@@ -90,6 +90,11 @@ class RunPort(Protocol):
 # Seconds a joining worker asks again about a group that is out of its reach before it gives up on joining in place.
 JOIN_REACH_WAIT_S = 15.0
 _REACH_POLL_S = 0.5
+# etcd electing a leader (the leader lost or cut off, quorum regained) answers "leader changed"/"no leader" for a
+# second or two with etcd's defaults: the hot path's calls ride that out for this long before they give up (the
+# cold path); each call waits at most ETCD_REQUEST_TIMEOUT_S on one member before trying another.
+ETCD_ELECTION_GRACE_S = 15.0
+ETCD_REQUEST_TIMEOUT_S = 2.0
 
 
 class JoinerNotNeeded(ElasticdError):
@@ -114,7 +119,11 @@ class HotPath:
         if not is_gloo_world():
             return cls._unsupported(run, "a process group other than gloo's default one (NCCL: not yet wired)")
         try:
-            client = EtcdClient.connect(**s.etcd_connect_args())
+            client = EtcdClient.connect(
+                **s.etcd_connect_args(),
+                request_timeout_s=ETCD_REQUEST_TIMEOUT_S,
+                election_grace_s=ETCD_ELECTION_GRACE_S,
+            )
         except (EtcdError, ElasticdError) as exc:
             return cls._unsupported(run, f"etcd unreachable from the worker: {exc}")
         minimum = (s.min_nodes or 1) * s.nproc_per_node

@@ -67,7 +67,7 @@ def test_a_closed_listener_is_refused() -> None:
 def test_the_node_lease_key_goes_away_about_a_second_after_its_daemon_stops_refreshing(
     etcd_client: EtcdClient,
 ) -> None:
-    lease = NodeLease(etcd_client, KEYS, "n1")
+    lease = NodeLease(etcd_client.reconnect(), KEYS, "n1")
     lease.start()
     key = KEYS.membership_alive("n1")
     time.sleep(2.5)  # several TTLs: the refreshes keep it
@@ -83,7 +83,7 @@ def test_the_node_lease_key_goes_away_about_a_second_after_its_daemon_stops_refr
 
 
 def test_a_closed_lease_is_revoked_at_once(etcd_client: EtcdClient) -> None:
-    lease = NodeLease(etcd_client, KEYS, "n2")
+    lease = NodeLease(etcd_client.reconnect(), KEYS, "n2")
     lease.start()
     lease.close()
     assert etcd_client.get(KEYS.membership_alive("n2")) is None
@@ -92,7 +92,7 @@ def test_a_closed_lease_is_revoked_at_once(etcd_client: EtcdClient) -> None:
 def test_the_watch_reports_a_notice_of_its_group_and_epoch_and_a_member_node_that_lost_its_lease(
     etcd_client: EtcdClient,
 ) -> None:
-    mine, theirs = NodeLease(etcd_client, KEYS, "w-a"), NodeLease(etcd_client, KEYS, "w-b")
+    mine, theirs = NodeLease(etcd_client.reconnect(), KEYS, "w-a"), NodeLease(etcd_client.reconnect(), KEYS, "w-b")
     mine.start()
     theirs.start()
     watch = FailureWatch(etcd_client, KEYS, "grp")
