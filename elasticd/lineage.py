@@ -127,9 +127,24 @@ class Lineage:
             raise TokenWriteError(f"could not write the fencing token for round {round_}: {exc}") from None
 
     def commit(self, token: str, record: CheckpointRecord) -> bool:
-        """The commit point: record ``record`` if ``token`` is still current; False when it was replaced."""
+        """The commit point: record ``record`` if ``token`` is still current and nothing newer is recorded; False
+        when the token was replaced or a later step is the latest already.
+
+        In step order: a commit that waited out an etcd outage can never replace a newer ``checkpoint/latest``
+        (one transaction compares the latest's revision read here). Taking the same record again is a success (a
+        retried commit whose first answer was lost), as is re-recording a step with the same manifest."""
         raw = record.encode()
-        return self._client.put_all_if_equal(
+        latest = self._client.get(self._keys.checkpoint_latest)
+        if latest is not None:
+            current = CheckpointRecord.decode(latest[0])
+            if current is not None and (current.step, current.manifest_sha256) == (record.step, record.manifest_sha256):
+                if current.token == token:
+                    return True  # this very commit, applied before its answer was lost
+            elif current is not None and current.step >= record.step:
+                return False  # superseded: a later checkpoint is the latest
+        return self._client.put_all_if_revision_and_equal(
+            self._keys.checkpoint_latest,
+            latest[1] if latest is not None else 0,
             self._keys.lineage_token,
             token,
             {self._keys.lineage_checkpoint(record.step): raw, self._keys.checkpoint_latest: raw},

@@ -45,6 +45,7 @@ class Kind(StrEnum):
     CHECKPOINT_COMMITTED = "checkpoint_committed"  # rank 0 committed a checkpoint
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed: which rank, and the OS error that says why
     CHECKPOINT_FENCED = "checkpoint_fenced"  # the fence refused a commit: this writer's token is no longer current
+    CHECKPOINT_DEFERRED = "checkpoint_commit_deferred"  # etcd could not take a commit now: it waits, in step order
     CHECKPOINT_UNUSABLE = "checkpoint_unusable"  # a checkpoint failed verification and was skipped on resume
     RECONFIGURED = "reconfigured"  # the group re-formed in place (hot recovery); the first step at the new size
     HOT_FALLBACK = "hot_fallback"  # the worker gives up the hot path and exits for a cold restart
@@ -78,6 +79,7 @@ FIELDS: Mapping[Kind, frozenset[str]] = {
     Kind.CHECKPOINT_COMMITTED: frozenset({"step", "blocking_s", "total_s", "path", "asynchronous"}),
     Kind.CHECKPOINT_FAILED: frozenset({"step", "error", "errno", "path", "os_error"}),
     Kind.CHECKPOINT_FENCED: frozenset({"step"}),
+    Kind.CHECKPOINT_DEFERRED: frozenset({"step", "error"}),
     Kind.CHECKPOINT_UNUSABLE: frozenset({"step", "reason"}),
     Kind.RECONFIGURED: frozenset(
         {

@@ -88,6 +88,9 @@ class ProgressTracker:
         elif kind is Kind.CHECKPOINT_FENCED:
             m.checkpoint_failures_total.labels(reason="fenced").inc()
             self._log().warning("checkpoint_fenced", step=beat.get("step"))
+        elif kind is Kind.CHECKPOINT_DEFERRED:
+            # not a failure (yet): it commits once etcd answers, or a checkpoint_fenced/failed says otherwise
+            self._log().warning(str(Kind.CHECKPOINT_DEFERRED), step=beat.get("step"), error=beat.get("error"))
 
     def _goodput(self, now: float) -> float:
         """Productive step time over wall time since the start (the node's view; elasticd_goodput_ratio)."""

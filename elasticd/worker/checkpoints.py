@@ -22,6 +22,7 @@ a run without a daemon. Both report each checkpoint they skip.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,10 +37,16 @@ from elasticd.layout import MANIFEST, RunLayout, committed_step, is_partial
 from elasticd.lineage import LOCAL_WRITER, CheckpointRecord, writer_id
 
 MANIFEST_VERSION = 1
-# A fence: True when the checkpoint of this record may be committed (it is then recorded).
+# A fence: True when the checkpoint of this record may be committed (it is then recorded); it raises
+# CommitDeferredError when it cannot tell now (etcd away).
 Fence = Callable[[CheckpointRecord], bool]
 # Hashing reads files in chunks of this many bytes: large enough for throughput, small enough to bound memory.
 _HASH_CHUNK_BYTES = 1 << 20
+
+
+class CommitDeferredError(Exception):
+    """The fence could not be asked now (etcd away, no quorum): the record may or may not be written; the sealed
+    directory is kept, and publishing the same record again later is safe (the lineage takes a record once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +180,12 @@ class CheckpointStore:
 
     def commit(self, step: int, meta: dict[str, Any], fence: Fence | None = None) -> Checkpoint | None:
         """Make this writer's files durable, write the manifest last, ask ``fence`` (the commit point) and rename
-        the directory to ``step-N``; prune to ``keep``. None when the fence refused: the directory is removed."""
+        the directory to ``step-N``; prune to ``keep``. None when the fence refused: the directory is removed.
+        :class:`CommitDeferredError` when the fence could not be asked: the sealed directory stays for a retry."""
+        return self.publish(self.seal(step, meta), fence)
+
+    def seal(self, step: int, meta: dict[str, Any]) -> CheckpointRecord:
+        """Make this writer's files of ``step`` durable and write the manifest last: the record to commit."""
         partial = self.partial_path(step)
         for path in partial.rglob("*"):
             if path.is_file():
@@ -188,19 +200,26 @@ class CheckpointStore:
         final = self.layout.checkpoint(step)
         # The same step committed before (a save right after resuming there): that one stays, this one goes.
         existing = final / MANIFEST if (final / MANIFEST).is_file() else None
-        record = CheckpointRecord(
+        return CheckpointRecord(
             step, final.name, partial.name, _sha256(existing or manifest_path), self.token, time.time()
         )
+
+    def publish(self, record: CheckpointRecord, fence: Fence | None = None) -> Checkpoint | None:
+        """Ask ``fence`` to record the sealed ``record`` (stamped now), then rename its directory to ``step-N`` and
+        prune; None when refused (the directory is removed). The fence's :class:`CommitDeferredError` passes
+        through with the directory kept: ``record`` may be published again later."""
+        record = dataclasses.replace(record, committed_at=time.time())
+        partial, final = self.dir / record.partial, self.dir / record.dir
         if fence is not None and not fence(record):
             shutil.rmtree(partial, ignore_errors=True)
             return None
-        if existing is not None:
+        if (final / MANIFEST).is_file():
             shutil.rmtree(partial, ignore_errors=True)
         else:
             partial.rename(final)
             _fsync_dir(self.dir)
         self.prune()
-        return Checkpoint(step, final)
+        return Checkpoint(record.step, final)
 
     def prune(self) -> None:
         for old in self.committed()[: -self.keep]:

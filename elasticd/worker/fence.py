@@ -16,6 +16,11 @@ from elasticd.errors import EtcdUnavailableError
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.lineage import CheckpointRecord, Lineage
+from elasticd.worker.checkpoints import CommitDeferredError
+
+# One commit transaction waits this long for an answer (s); an unanswered one is asked again later, so a short
+# bound costs nothing and keeps an outage from holding the writer (and the next save behind it).
+REQUEST_TIMEOUT_S = 2.0
 
 
 class EtcdFence:
@@ -30,15 +35,20 @@ class EtcdFence:
 
     def _lineage(self) -> Lineage:
         if self._client is None:  # lazily: only rank 0 ever needs etcd
-            self._client = EtcdClient.connect(**self._connect_args())
+            self._client = EtcdClient.connect(**self._connect_args(), request_timeout_s=REQUEST_TIMEOUT_S)
         return Lineage(self._client, self._keys)
 
     def __call__(self, record: CheckpointRecord) -> bool:
         try:
             return self._lineage().commit(record.token, record)
-        except (EtcdError, EtcdUnavailableError):
-            # etcd away at commit time: refuse rather than risk a stale commit; the next checkpoint tries again.
-            return False
+        except EtcdError as exc:
+            if not exc.transient:
+                return False  # etcd answered and will answer the same (permission denied): refused, as stale
+            # etcd away (or without quorum): whether the transaction was applied is unknown until it answers. The
+            # saver keeps the sealed directory and asks again, in step order (worker/commit_queue.py).
+            raise CommitDeferredError(str(exc)) from None
+        except EtcdUnavailableError as exc:  # no connection yet, and none could be made
+            raise CommitDeferredError(str(exc)) from None
 
     def records(self) -> list[CheckpointRecord] | None:
         """The lineage's records, newest first; None when etcd cannot be read (the caller falls back to disk)."""

@@ -8,6 +8,7 @@ from typing import Any
 from elasticd.messages import Kind
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint
+from elasticd.worker.commit_queue import DEFERRED
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.saver import ABANDONED, FAILED, FENCED, SEALED, WRITTEN
 
@@ -28,7 +29,7 @@ class SaveEvents:
         if event == SEALED:
             self._faults.before_commit(int(fields["step"]))
             return
-        if event == FENCED:
+        if event in (FENCED, DEFERRED):
             self._log().warning(event, **fields)
         if event == ABANDONED:
             self._log().warning(event, **fields)

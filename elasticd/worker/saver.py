@@ -48,17 +48,16 @@ from accelerate.utils import RNG_STATE_NAME, DistributedType, broadcast_object_l
 
 from elasticd import rundir
 from elasticd.layout import done_marker
-from elasticd.lineage import CheckpointRecord
 from elasticd.messages import Kind
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
+from elasticd.worker.commit_queue import ABANDONED, CommitQueue, Sealed
 from elasticd.worker.hot.backend import keep_forever
 
 # The events a rank's daemon hears of: the worker forwards them as messages of these kinds.
 COMMITTED = Kind.CHECKPOINT_COMMITTED
 FAILED = Kind.CHECKPOINT_FAILED
 FENCED = Kind.CHECKPOINT_FENCED
-# A background write of a group that re-formed in place, given up before its seal; its directory is removed.
-ABANDONED = "checkpoint_abandoned"
+# ABANDONED (commit_queue's): a background write of a group that re-formed in place, given up before its seal.
 # This rank's files are on disk, not yet committed (fault injection kills a rank here: a torn checkpoint).
 WRITTEN = "checkpoint_written"
 # Rank 0: every file and the manifest are durable, the fence is asked next (fault injection freezes a node here).
@@ -195,7 +194,8 @@ class CheckpointSaver:
 
     ``fence(record)`` is asked on rank 0 once the files and the manifest are durable (from the writer thread for an
     asynchronous save): the commit point. False refuses it: the writer's directory is removed and
-    ``checkpoint_fenced`` reported. ``on_event(name, fields)`` receives
+    ``checkpoint_fenced`` reported; when etcd cannot be asked the checkpoint waits, sealed, and is committed in
+    step order once it can (``checkpoint_commit_deferred``, ``commit_queue.py``). ``on_event(name, fields)`` receives
     ``checkpoint_committed`` (rank 0: step, blocking_s, total_s, path, asynchronous), ``checkpoint_failed`` (the
     rank whose write failed, and rank 0: step, error, errno, path, os_error), ``checkpoint_fenced`` (rank 0:
     step) and ``checkpoint_abandoned`` (each rank whose write was handed over unsealed: step, the rank it wrote
@@ -225,7 +225,6 @@ class CheckpointSaver:
             raise ValueError("CheckpointSaver needs ProjectConfiguration(automatic_checkpoint_naming=False)")
         self._acc = accelerator
         self._store = store
-        self._fence = fence
         self._on_event = on_event
         self._sweep = sweep
         self._commit_timeout_s = commit_timeout_s
@@ -245,6 +244,7 @@ class CheckpointSaver:
         # a save's agreement for a peer that itself waits on a dead rank sees no reset (only the dead rank's peers
         # do): it leaves the agreement on the notice instead.
         self.group_failed: Callable[[], bool] | None = None
+        self._queue = CommitQueue(fence, self._emit)  # rank 0's commits, in step order (also those that wait for etcd)
         atexit.register(self._settle_at_exit)
 
     def save(self, step: int, meta: dict[str, Any], *, asynchronous: bool = False) -> bool | None:
@@ -306,13 +306,15 @@ class CheckpointSaver:
             self._sweep()
 
     def close(self) -> None:
-        """Wait for the background write and free the host memory kept for the next snapshot."""
+        """Wait for the background write and, a while, for commits that wait for etcd; free the host memory."""
         self.wait()
+        self._queue.wait(EXIT_SETTLE_S)
         self._host = _HostCopy()
 
     def load(self, cp: Checkpoint) -> dict[str, Any]:
         """Load ``cp`` into the accelerator's objects with ``accelerator.load_state``; its manifest."""
         self.wait()  # a commit in flight may prune the very checkpoint being loaded
+        self._queue.wait(EXIT_SETTLE_S)
         self._acc.load_state(str(cp.path))
         return cp.manifest()
 
@@ -432,29 +434,12 @@ class CheckpointSaver:
 
     def _commit(
         self, store: CheckpointStore, step: int, meta: dict[str, Any], start: float, blocking_s: float | None
-    ) -> bool:
-        """Rank 0: commit the files ``store``'s writer wrote; False when the fence refused them."""
-        fence = self._fence
-
-        def sealed(record: CheckpointRecord) -> bool:
-            self._emit(SEALED, step=step)
-            return fence is None or fence(record)
-
-        committed = store.commit(step, meta, sealed)
-        if committed is None:
-            self._emit(FENCED, step=step)
-            return False
-        total_s = time.monotonic() - start
-        blocking = total_s if blocking_s is None else blocking_s
-        self._emit(
-            COMMITTED,
-            step=step,
-            blocking_s=blocking,
-            total_s=total_s,
-            path=str(committed.path),
-            asynchronous=blocking_s is not None,
-        )
-        return True
+    ) -> bool | None:
+        """Rank 0: seal and commit the files ``store``'s writer wrote: True committed, False refused by the fence,
+        None waiting for etcd (``commit_queue.py``: committed later, in step order)."""
+        record = store.seal(step, meta)
+        self._emit(SEALED, step=step)
+        return self._queue.commit(Sealed(store, record, start, blocking_s))
 
     def _everyone_ok(self, ok: bool) -> bool:
         """A collective on every rank: True when ``ok`` on every rank (a barrier that also carries one bit)."""
@@ -531,6 +516,8 @@ class CheckpointSaver:
         writer = self._writer
         if writer is not None and writer.is_alive() and self._sealed is not None:
             writer.join(timeout=min(self._commit_timeout_s, EXIT_SETTLE_S))
+        self._queue.wait(EXIT_SETTLE_S)
+        self._queue.close()
 
     def _emit(self, name: str, **fields: Any) -> None:
         if name == SEALED:

@@ -255,3 +255,20 @@ def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_establis
                 assert node.wait(240) == 0
         except AssertionError:
             raise AssertionError(cluster.diagnostics()) from None
+
+
+def test_commits_land_in_step_order_and_a_retried_commit_is_taken_once(etcd_client: EtcdClient, tmp_path: Path) -> None:
+    """What a commit that waited out an etcd outage meets: a newer checkpoint already the latest (refused: an older
+    step never replaces it), or its own first attempt applied with the answer lost (taken, once)."""
+    keys = RunKeys("order")
+    lineage = Lineage(etcd_client, keys)
+    token = lineage.begin(1)
+    store = CheckpointStore(tmp_path, "order", token=token)
+    for step in (10, 20):
+        _write_checkpoint(store, step)
+    older, newer = store.seal(10, {}), store.seal(20, {})
+    assert lineage.commit(token, newer)
+    assert not lineage.commit(token, older)  # superseded
+    assert lineage.commit(token, newer)  # the same record again: a retry whose first answer was lost
+    assert [r.step for r in lineage.records()] == [20]
+    assert json.loads(etcd_value(etcd_client, keys.checkpoint_latest))["step"] == 20

@@ -32,7 +32,7 @@ from elasticd.messages import (
     encode,
     kind_of,
 )
-from elasticd.worker import saver
+from elasticd.worker import commit_queue, saver
 from elasticd.worker.batching import BatchConstraint
 from elasticd.worker.beats import BeatClient
 from tests.source_literals import PACKAGE, Role, literals, package_literals
@@ -97,7 +97,7 @@ def test_every_kind_the_worker_sends_is_a_known_kind_with_known_fields() -> None
         names = {k.arg for k in call.keywords if k.arg is not None}
         assert names <= FIELDS[kind], f"elasticd/{module}:{line}: {kind} sends {names - FIELDS[kind]}"
     # the one dynamic send forwards the saver's events: those are kinds too, with the fields the saver gives them
-    forwarded = {saver.COMMITTED, saver.FAILED, saver.FENCED}
+    forwarded = {saver.COMMITTED, saver.FAILED, saver.FENCED, commit_queue.DEFERRED}
     assert all(isinstance(event, Kind) for event in forwarded)
     assert sent | forwarded == set(Kind), f"kinds no worker sends: {set(Kind) - sent - forwarded}"
     assert set(rundir.describe(OSError(28, "No space left on device", "/x"))) <= FIELDS[Kind.CHECKPOINT_FAILED]
