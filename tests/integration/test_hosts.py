@@ -8,14 +8,11 @@ refused, remote=[127.0.0.1]:PORT", worker restarts until the budget ran out).
 
 from __future__ import annotations
 
-import itertools
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -24,9 +21,17 @@ from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
-from elasticd.lineage import CheckpointRecord, Lineage
+from elasticd.lineage import Lineage
 from tests.integration.cluster import EXAMPLE, Cluster, train_args
-from tests.integration.netns import Host, Network, unavailable
+from tests.integration.netns import Network, unavailable
+from tests.integration.on_hosts import (
+    SLEEP_S,
+    STEPS,
+    assert_one_lineage,
+    assert_same_parameters,
+    stamp,
+    start_on_hosts,
+)
 
 pytestmark = [
     pytest.mark.integration,
@@ -35,60 +40,17 @@ pytestmark = [
 ]
 
 
-STEPS = 200
-# seconds a step sleeps: the run must outlast a cut node's return (its workers import again, 5-20 s on a busy host)
-SLEEP_S = 0.1
-# the same parameters as an undisturbed run, within this relative difference (only the order of float sums differs)
-REL_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The final parameters of the same job, undisturbed, on one node (the global batch is the same at any size)."""
-    workdir = tmp_path_factory.mktemp("undisturbed")
-    out = workdir / "final.pt"
-    server = EmbeddedEtcd(data_dir=workdir / "etcd", unsafe_no_fsync=True)
-    server.start(ready_timeout_s=30)
-    try:
-        with Cluster(server.endpoint, workdir, run_id="undisturbed",
-                     script_args=(*train_args(STEPS, 0.0), "--save-final", str(out))) as c:  # fmt: skip
-            assert c.start("ref").wait(240) == 0, c.diagnostics()
-    finally:
-        server.stop()
-    return dict(torch.load(out))
-
-
-def assert_same_parameters(final: Path, reference: dict[str, torch.Tensor]) -> None:
-    trained = torch.load(final)
-    assert trained.keys() == reference.keys()
-    worst = max(((trained[k] - v).abs().max() / v.abs().max().clamp(min=1e-12)).item() for k, v in reference.items())
-    print(f"largest relative parameter difference from the undisturbed run: {worst:.3e}")
-    assert worst <= REL_TOL
-
-
-def start_on_hosts(c: Cluster, hosts: dict[str, Host]) -> dict[str, int]:
-    """A node on each host, trained to step 12 at world 3; each node's group rank."""
-    for host in hosts.values():
-        c.start(host.name, host=host)
-    c.wait_step(lambda s: s["step"] >= 12 and s["world_size"] == 3, timeout_s=120, what="step 12 on 3 workers")
-    return {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in hosts}
-
-
 def assert_back_after_the_heal(c: Cluster, victim: str, survivors: list[str], healed_at: float) -> None:
     """The survivors went on in place (no restart) while the victim was cut; after the heal it came back: joined
     in place (healed from a peer), or, when its workers could not join in time, through a new round of all three
     (the survivors' one restart, for it, after the heal)."""
     for name in survivors:
-        early = [e for e in c.nodes[name].events("restart") if _stamp(e) < healed_at]
+        early = [e for e in c.nodes[name].events("restart") if stamp(e) < healed_at]
         assert not early, (name, early, c.diagnostics())
     joined = [e for e in c.nodes[victim].events("reconfigured") if "node_id" in e and e["reason"] == "join"]
-    rounds = [e for e in c.nodes[victim].events("rendezvous_done") if _stamp(e) > healed_at and e["nodes"] == 3]
+    rounds = [e for e in c.nodes[victim].events("rendezvous_done") if stamp(e) > healed_at and e["nodes"] == 3]
     assert (joined and joined[-1]["world_size"] == 3) or rounds, c.nodes[victim].tail(80)
     print(f"{victim} came back {'in place' if joined else 'through a new round'}")
-
-
-def _stamp(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(event["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 @pytest.fixture
@@ -228,17 +190,6 @@ def test_a_node_cut_from_its_peers_or_from_etcd_alone_leaves_one_group_training(
         assert c.newest_step()["step"] == STEPS
     client.close()
     assert_same_parameters(final, reference)
-
-
-def assert_one_lineage(records: list[CheckpointRecord]) -> None:
-    """In commit order, steps only grow and a token once replaced never commits again: no fork."""
-    ordered = sorted(records, key=lambda r: r.committed_at)
-    retired: set[str] = set()
-    for before, after in itertools.pairwise(ordered):
-        assert after.step > before.step, (before, after)
-        if after.token != before.token:
-            retired.add(before.token)
-        assert after.token not in retired, (after, sorted(retired))
 
 
 def test_a_flapping_link_ends_the_run_with_one_lineage_and_the_undisturbed_parameters(
