@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 from bench.common import Node, listening_on
 
 if TYPE_CHECKING:
+    from tests.integration.etcd_cluster import EtcdCluster
     from tests.integration.netns import Host, Network
 
 LOOPBACK = "127.0.0.1"
@@ -86,6 +87,7 @@ class Namespaces:
 
     def __init__(self, network: Network) -> None:
         self.network = network
+        self.etcd_cluster: EtcdCluster | None = None  # a job on a 3-member etcd: its members, on hosts of this network
 
     @property
     def etcd_host(self) -> str:

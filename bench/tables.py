@@ -27,6 +27,7 @@ _RECOVERY_LABELS = {
     "node_vanish": "vanished node (SIGSTOP)",
     "hang": "hung worker (SIGSTOP of one worker, --hang-timeout auto)",
     "node_isolated": "node cut off (data and control links, 3 -> 2)",
+    "node_loss_etcd_leader": "node loss (kill -9, 3 -> 2) with etcd's leader (3-member etcd, 1 s election timeout)",
     "join_large": "join (2 -> 3 nodes), 1.2 GB state",
     "node_loss_large": "node loss (kill -9, 3 -> 2), 1.2 GB state",
 }

@@ -60,10 +60,13 @@ def test_without_netns_every_system_measures_what_it_always_did() -> None:
     assert recovery.scenarios_for("elasticd", False, [recovery.Scenario.NODE_ISOLATED]) == []
 
 
-def test_with_netns_every_system_measures_node_loss_by_kill_and_by_isolation() -> None:
+def test_with_netns_every_system_measures_node_loss_by_kill_and_by_isolation_and_elasticd_with_etcds_leader() -> None:
     loss, isolated = recovery.Scenario.NODE_LOSS, recovery.Scenario.NODE_ISOLATED
+    leader = recovery.Scenario.NODE_LOSS_ETCD_LEADER
     for system in recovery.SYSTEMS:
-        assert recovery.scenarios_for(system, netns=True) == [loss, isolated], system
+        expected = [loss, isolated, leader] if system == "elasticd" else [loss, isolated]
+        assert recovery.scenarios_for(system, netns=True) == expected, system
+    assert recovery.scenarios_for("elasticd", False, [leader]) == []  # needs hosts of their own
     # asked for: in the trial's order, and only what the system can run
     asked = [isolated, recovery.Scenario.JOIN, recovery.Scenario.HANG]
     assert recovery.scenarios_for("elasticd", True, asked) == [recovery.Scenario.JOIN, recovery.Scenario.HANG, isolated]

@@ -319,6 +319,7 @@ def test_the_large_state_runs_on_a_job_of_its_own_after_the_small_jobs_and_for_e
         workload: workloads.Workload,
         scenarios: Any,
         netns: bool = False,
+        etcd_members: int = 1,
     ) -> list[recovery.Sample]:
         jobs.append((trial_dir.name, workload.name, [sc.value for sc in scenarios]))
         return []
@@ -328,6 +329,12 @@ def test_the_large_state_runs_on_a_job_of_its_own_after_the_small_jobs_and_for_e
     assert jobs == [
         ("elasticd-1", "small", ["join", "node_loss", "node_loss_rank0", "node_vanish", "hang"]),
         ("elasticd-1-large", "large", ["join_large", "node_loss_large"]),
+    ]
+    jobs.clear()
+    recovery.run_system_trial("elasticd", 1, tmp_path, tmp_path, netns=True)  # the etcd leader's: a job of its own
+    assert jobs == [
+        ("elasticd-1", "small", ["node_loss", "node_isolated"]),
+        ("elasticd-1-etcd3", "small", ["node_loss_etcd_leader"]),
     ]
     jobs.clear()
     for system in ("elasticd-cold", "torchrun", "torchrun-tuned"):
