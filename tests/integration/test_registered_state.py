@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,8 @@ from tests.integration.cluster import Cluster, leftover_processes, read_json_lin
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "registered_train.py"
-EPOCHS, STEPS_PER_EPOCH = 100, 10  # ~0.1 s a step here: room for two joins, each 5-30 s to start on a busy host
+# ~0.1 s a step here: room for two joins, each 5-30 s to start on a busy host (the run is drained once they are done)
+EPOCHS, STEPS_PER_EPOCH = 100, 10
 STEPS = EPOCHS * STEPS_PER_EPOCH
 EMA_DECAY = 0.9  # registered_train.py's
 
@@ -72,7 +75,14 @@ def test_a_step_counter_and_an_ema_registered_for_checkpointing_follow_kill_join
         os.kill(hung_pid, signal.SIGSTOP)  # 3. 3 -> 2 -> 3
         diagnosed = joiner.wait_event("hang_diagnosed", timeout_s=120)
         joiner.wait_event("joining_in_place", timeout_s=60)
-        c.wait_step(lambda s: s["world_size"] == 3 and s["step"] > diagnosed["step"], timeout_s=90, what="back at 3")
+        back = c.wait_step(lambda s: s["world_size"] == 3 and s["step"] > diagnosed["step"], timeout_s=90)
+        c.wait_step(lambda s: s["step"] >= back["step"] + 10, timeout_s=60, what="10 steps back at 3")
+        # the rest of the run would only repeat what was checked: drain it (a checkpoint, then every node exits 0)
+        stop = subprocess.run(
+            [sys.executable, "-m", "elasticd", "stop", "--etcd", etcd.endpoint, "--run-id", "registered"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert stop.returncode == 0, stop.stderr
         for name in (by_rank[0], by_rank[2], joiner.name):
             assert c.nodes[name].wait(240) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")
@@ -84,9 +94,10 @@ def test_a_step_counter_and_an_ema_registered_for_checkpointing_follow_kill_join
     by_step: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for line in read_json_lines(record):
         by_step[int(line["step"])].append(line)
-    assert sorted(by_step) == list(range(1, STEPS + 1)), "a step recorded by no rank"
+    last = max(by_step)  # the drain's step
+    assert last > back["step"] and sorted(by_step) == list(range(1, last + 1)), "a step recorded by no rank"
     previous = torch.zeros(len(by_step[1][0]["param"]))
-    for step in range(1, STEPS + 1):
+    for step in range(1, last + 1):
         lines = by_step[step]
         first = lines[0]
         for line in lines:
