@@ -71,17 +71,9 @@ _ACCESS_DENIED = (
 )
 
 
-# What an etcd member answers while the cluster elects a leader (a leader lost or partitioned, quorum regained), and
-# what a call to a dead member ends in: worth a retry within a client's election grace (``connect``'s).
-_ELECTION = (
-    "leader changed",
-    "no leader",
-    "not leader",
-    "request timed out",
-    "timed out waiting for read index",
-    "context deadline exceeded",  # etcd's own deadline while it has no quorum, as gRPC's UNKNOWN
-    "No endpoint available",  # pyetcd: every member failed within its failover backoff
-)
+# What etcd answers while it elects a leader or has no quorum, and what a call to a dead member ends in (pyetcd: "No
+# endpoint available"): worth a retry within a client's election grace (``connect``'s).
+_ELECTION = ("leader changed", "no leader", "not leader", "request timed out", "timed out waiting for read index", "context deadline exceeded", "No endpoint available")  # fmt: skip  # noqa: E501
 _RETRY_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 # Between two attempts within the grace (seconds): about an etcd heartbeat, at most a few.
 _ELECTION_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.05, min=0.05, max=0.5)
