@@ -182,7 +182,6 @@ class EtcdClient:
                 raw = _raw_client(endpoints, creds, attempt_timeout_s, user, password, on_error)
                 login = (user, password) if user is not None and password is not None else None
                 clients.append(cls(raw, endpoints, on_error, login=login, reconnect=again))
-                clients[0]._election_grace_s = 0.0  # connecting has its own retries; the grace is for calls after it
             client = clients[0]
             try:
                 client._call("status", client._raw.status)

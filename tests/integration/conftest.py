@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from tests.integration.netns import Network
 from tests.integration.on_hosts import undisturbed_parameters
+
+
+@pytest.fixture
+def network() -> Iterator[Network]:
+    """A private network of hosts (netns.py) for one test, deleted afterwards."""
+    with Network() as net:
+        yield net
 
 
 @pytest.fixture(scope="session")

@@ -37,12 +37,6 @@ SLOW_SLEEP_S = 0.25
 
 
 @pytest.fixture
-def network() -> Iterator[Network]:
-    with Network() as net:
-        yield net
-
-
-@pytest.fixture
 def etcd(network: Network, tmp_path: Path) -> Iterator[EtcdCluster]:
     workdir = tmp_path / "etcd"
     workdir.mkdir()

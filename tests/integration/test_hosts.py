@@ -54,12 +54,6 @@ def assert_back_after_the_heal(c: Cluster, victim: str, survivors: list[str], he
 
 
 @pytest.fixture
-def network() -> Iterator[Network]:
-    with Network() as net:
-        yield net
-
-
-@pytest.fixture
 def remote_etcd(network: Network, tmp_path: Path) -> Iterator[EmbeddedEtcd]:
     """etcd on the control network's gateway: another host for every node."""
     server = EmbeddedEtcd(data_dir=tmp_path / "etcd", host=network.gateway, unsafe_no_fsync=True)
