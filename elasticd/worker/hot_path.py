@@ -157,7 +157,7 @@ class HotPath:
             return cls._unsupported(run, str(exc))
         run.coordinator.on_failure = session.hook.abort
         run.saver.on_group_failure = session.hook.abort  # a save's collective failed: that step fails too
-        run.saver.group_failed = lambda: session.guard.health.failed  # or failed elsewhere while this rank waits
+        run.saver.group_failed = session.step_failed  # or failed elsewhere while this rank waits
         run.coordinator.wants_change = lambda: session.change_wanted(run.plan_for)
         run.log.info("hot_recovery_armed", member=identity.member, epoch=session.epoch, joining=joining)
         path = cls(run, session)

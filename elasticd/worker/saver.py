@@ -81,6 +81,8 @@ PEER_FAILED = "another rank's write of this checkpoint failed"
 REGROUPED = "the group re-formed in place while it was written"
 # Why a save is given up when one of its own collectives failed (hot recovery: the group re-forms next).
 GROUP_FAILED = "a collective of the save failed (a peer was lost)"
+# How a rank left a collective of a save that the group's failure elsewhere would never let complete.
+FAILED_ELSEWHERE = "the group failed elsewhere (a failure notice) while this rank waited"
 
 
 class CheckpointFailedError(Exception):
@@ -544,7 +546,7 @@ def _wait(work: Any, group_failed: Callable[[], bool] | None) -> None:
     if group_failed is not None:
         while not work.is_completed():
             if group_failed():
-                raise RuntimeError("the group failed elsewhere (a failure notice) while this rank waited")
+                raise RuntimeError(FAILED_ELSEWHERE)
             time.sleep(_AGREEMENT_POLL_S)
     work.wait()
 

@@ -116,6 +116,16 @@ class Node:
                 p.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
 
+    def freeze(self) -> list[psutil.Process]:
+        """The node stops (a paused VM, a stalled kernel): SIGSTOP to the daemon and every process below it. Nothing
+        resets a connection and its leases lapse; :meth:`kill` (SIGKILL ends a stopped process) or SIGCONT to the
+        processes returned ends it."""
+        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.send_signal(signal.SIGSTOP)
+        return procs
+
     def wait(self, timeout_s: float = 120) -> int:
         try:
             return self.proc.wait(timeout=timeout_s)

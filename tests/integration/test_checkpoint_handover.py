@@ -13,8 +13,14 @@ in place, with a new fencing token, while the write goes on.
   that no longer exists, and the new group's rank 0 removes it once every member's earlier write has ended.
 
 A blocking save (``ELASTICD_ASYNC_CHECKPOINTS=0``) has the same window inside its own collectives: the other ranks
-wait in the save's agreement while rank 0 writes. A node killed then fails that agreement; the step fails in place
-like any other (``saver.py``, ``on_group_failure``), instead of the worker's end and a cold restart.
+wait in the save's agreement while rank 0 writes. A node lost then fails that agreement; the step fails in place
+like any other (``saver.py``, ``on_group_failure``), instead of the worker's end and a cold restart:
+
+- ``committer-lost``: rank 0's node is killed (SIGKILL): its peers see their connections reset;
+- ``frozen-peer``: rank 2's node is frozen (SIGSTOP, daemon and worker): nothing resets, as for a node on another
+  host that lost power or its link. The others leave the agreement on the failure notice (the frozen node's
+  liveness lease lapses), not on gloo's timeout minutes later: the notice reaches a rank in a save's agreement too
+  (``HotSession.step_failed``), which no nudge of the all-reduce hook does.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
 from elasticd.layout import done_marker
 from elasticd.lineage import Lineage
-from elasticd.worker.saver import GROUP_FAILED
+from elasticd.worker.saver import FAILED_ELSEWHERE, GROUP_FAILED
 from tests.integration.cluster import Cluster, Node, train_args, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -123,9 +129,9 @@ def _agreeing(run_dir: Path, world_size: int) -> Path | None:
     return None
 
 
-@pytest.mark.parametrize("victim_rank", [2, 0], ids=["committer-survives", "committer-lost"])
+@pytest.mark.parametrize(("victim_rank", "freeze"), [(2, True), (0, False)], ids=["frozen-peer", "committer-lost"])
 def test_a_peer_lost_inside_a_blocking_saves_agreement_fails_the_step_in_place(
-    etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path, victim_rank: int
+    etcd: EmbeddedEtcd, etcd_client: EtcdClient, tmp_path: Path, victim_rank: int, freeze: bool
 ) -> None:
     run_id = f"agreeloss{victim_rank}"
     names = [f"al{victim_rank}-{i}" for i in range(3)]
@@ -149,9 +155,12 @@ def test_a_peer_lost_inside_a_blocking_saves_agreement_fails_the_step_in_place(
         survivors = [c.nodes[n] for n in names if n != victim]
         partial = wait_until(lambda: _agreeing(run_dir, 3), 120, "a blocking save in its agreement", poll_s=0.01)
         restarts = {node.name: len(node.events("restart")) for node in survivors}
-        c.nodes[victim].kill()
+        if freeze:
+            c.nodes[victim].freeze()  # stays stopped: the run finishes without it, the cluster's close kills it
+        else:
+            c.nodes[victim].kill()
         step = int(partial.name.split(".")[0].removeprefix("step-"))
-        print(f"killed the node of rank {victim_rank} while the ranks agreed on {partial.name}")
+        print(f"{'froze' if freeze else 'killed'} rank {victim_rank}'s node while the ranks agreed on {partial.name}")
         for node in survivors:
             assert node.wait(240) == 0, c.diagnostics()
 
@@ -161,6 +170,8 @@ def test_a_peer_lost_inside_a_blocking_saves_agreement_fails_the_step_in_place(
         assert {e["world_size"] for e in _worker_events(survivors, "reconfigured")} == {2}, c.diagnostics()
         failed = [e for e in _worker_events(survivors, "step_failed") if GROUP_FAILED in str(e.get("reason"))]
         assert failed, c.diagnostics()
+        if freeze:  # both survivors left the agreement on the notice (before the fix: on gloo's timeout, 2 min on)
+            assert len(failed) == 2 and all(FAILED_ELSEWHERE in e["reason"] for e in failed), failed
         assert c.newest_step()["step"] == 100 and c.newest_step()["world_size"] == 2
 
         # the save was given up, said so, and left nothing: by rank 0 at once, or by the next group's rank 0

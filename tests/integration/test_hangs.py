@@ -340,9 +340,7 @@ def test_whole_node_stopped_is_the_culprit_and_its_late_report_counts_for_nothin
     ) as c:
         a, b, victim = c.start("sn-a"), c.start("sn-b"), c.start("sn-c")
         c.wait_step(lambda s: s["world_size"] == 3 and s["step"] >= 30, timeout_s=150, what="30 steps at world 3")
-        frozen = [psutil.Process(victim.proc.pid), *psutil.Process(victim.proc.pid).children(recursive=True)]
-        for p in frozen:
-            p.send_signal(signal.SIGSTOP)
+        frozen = victim.freeze()
         stopped_at = time.time()
         try:
             c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > stopped_at, timeout_s=90, what="world 2")

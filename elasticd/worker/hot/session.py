@@ -195,6 +195,14 @@ class HotSession:
         # joiners that do not fit stay warm spares until a loss makes room
         return bool(waiting) and _fits(plan_for)(len(self.members) + waiting)
 
+    def step_failed(self) -> bool:
+        """Has the current step failed, here or elsewhere (a member's notice, a member node's lease gone)?
+
+        For a rank waiting outside the hook, in a save's agreement: the watch's nudge releases only buckets in
+        flight, so such a rank, waiting on a peer that waits on a vanished one, would otherwise see nothing until
+        gloo's timeout (minutes) while the others re-form without it."""
+        return self.health.failed or self.watch.reason() is not None
+
     def take_failure(self) -> StepFailure | None:
         """At the optimizer-step boundary: the failure of the step that just ended, if any (once per step)."""
         return self.guard.take()
