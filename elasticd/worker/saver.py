@@ -44,7 +44,7 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
 from accelerate.data_loader import IterableDatasetShard
-from accelerate.utils import RNG_STATE_NAME, DistributedType, broadcast_object_list
+from accelerate.utils import RNG_STATE_NAME, DistributedType
 
 from elasticd import rundir
 from elasticd.layout import done_marker
@@ -331,18 +331,17 @@ class CheckpointSaver:
                 self._emit(WRITTEN, step=step)
             # save_state has no final barrier: here every rank's files are complete, or some rank's write failed
             if self._everyone_ok(failure is None):
-                # committed; the error that stopped the commit; whether the fence was asked (the dir is then kept)
-                outcome: list[Any] = [False, None, False]
+                # rank 0's: committed; the commit failed; whether the fence was asked (the dir is then kept)
+                outcome = [0, 0, 0]
                 if acc.is_main_process:
                     try:
-                        outcome = [self._commit(self._store, step, meta, start, None), None, False]
+                        outcome = [int(bool(self._commit(self._store, step, meta, start, None))), 0, 0]
                     except Exception as exc:
-                        failure, outcome = exc, [False, repr(exc), self._sealed == step]
-                # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how
-                committed, error, sealed = _collective(
-                    lambda: broadcast_object_list(outcome, from_process=0), self.on_group_failure
-                )
-                if error is None:
+                        failure, outcome = exc, [0, 1, int(self._sealed == step)]
+                # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how: a
+                # sum (the others add zeros) that, like the agreements, leaves on the group's failure elsewhere
+                committed, errored, sealed = self._sum(outcome)
+                if not errored:
                     return bool(committed)
                 if sealed:
                     self._sealed = step
@@ -445,17 +444,24 @@ class CheckpointSaver:
 
     def _everyone_ok(self, ok: bool) -> bool:
         """A collective on every rank: True when ``ok`` on every rank (a barrier that also carries one bit)."""
+        return self._sum([0 if ok else 1]) == [0]
+
+    def _sum(self, values: list[int]) -> list[int]:
+        """A collective on every rank: ``values`` summed over the ranks. With hot recovery it gives up once the group
+        failed elsewhere (``group_failed``): a rank whose peers see no reset (a node frozen or cut off, a peer that
+        itself gave up) must not wait for gloo's timeout (seen: rank 0 in a blocking broadcast of the outcome for
+        2 min while a peer, frozen, had already contributed to the agreement before it)."""
         acc = self._acc
         if acc.num_processes == 1:
-            return ok
-        failed = torch.tensor([0 if ok else 1], dtype=torch.int32, device=acc.device)
-        work = dist.all_reduce(failed, op=dist.ReduceOp.SUM, async_op=True)
+            return values
+        summed = torch.tensor(values, dtype=torch.int64, device=acc.device)
+        work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)
         try:
             _collective(lambda: _wait(work, self.group_failed), self.on_group_failure)
         except _GroupFailedError:
             keep_forever(work)  # a failed gloo Work's destructor may throw (backend.keep_forever)
             raise
-        return int(failed.item()) == 0
+        return [int(v) for v in summed.tolist()]
 
     def _group_failed(self, step: int, error: str) -> None:
         """A collective of the save of ``step`` failed: give the save up on this rank and fail the step in place.

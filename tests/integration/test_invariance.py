@@ -91,7 +91,12 @@ def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
 
         steps = c.all_steps()
         numbers = [s["step"] for s in steps]
-        assert sorted(numbers) == list(range(1, STEPS + 1)), "a step printed twice or never"
+        assert len(numbers) == len(set(numbers)), "a step printed twice"
+        # Rank 0 prints the steps it completes; a step that a peer completed while rank 0's all-reduce failed is
+        # healed forward onto rank 0 (the member with the most steps gives the state), trained but not printed.
+        healed = {e["step"] for n in c.nodes.values() for e in n.events("regrouped") if "node_id" not in e}
+        unprinted = set(range(1, STEPS + 1)) - set(numbers)
+        assert unprinted <= healed and max(numbers) == STEPS, ("steps never trained", sorted(unprinted - healed))
         for s in steps:
             assert s["lr"] == pytest.approx(expected_lr(s["step"]), rel=1e-9)
         ids = effective_ids(record)
