@@ -254,9 +254,9 @@ class Run:
     def step(self, loss: Any = None) -> bool:
         """Account for one micro-batch; after the last of an optimizer step, everything an optimizer step implies.
 
-        True when an optimizer step was completed and counted (``run.state.step`` moved on); False while the
-        micro-batches of a step accumulate, and for a step that failed on the way and was discarded on every rank
-        (a peer was lost: the group re-formed in place, and the same samples come again at the new size).
+        True when an optimizer step was completed and counted (``run.state.step`` moved on); False while micro-batches
+        accumulate, and for a step that failed (re-formed in place: discarded, its samples come again; or, when a
+        member had completed it, healed forward to that member's state, so ``run.state.step`` moves on unreported).
         """
         self._micro += 1
         self._loss = loss
