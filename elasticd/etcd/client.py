@@ -75,6 +75,7 @@ _ACCESS_DENIED = (
 # endpoint available"): worth a retry within a client's election grace (``connect``'s).
 _ELECTION = ("leader changed", "no leader", "not leader", "request timed out", "timed out waiting for read index", "context deadline exceeded", "No endpoint available")  # fmt: skip  # noqa: E501
 _RETRY_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+_REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # etcd's permissions said no: the same answer again
 # Between two attempts within the grace (seconds): about an etcd heartbeat, at most a few.
 _ELECTION_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.05, min=0.05, max=0.5)
 
@@ -92,6 +93,11 @@ class EtcdError(ElasticdError):
     def transient(self) -> bool:
         """An answer of an election in progress or of an unreachable member: another member may serve a retry."""
         return self.code in _RETRY_CODES or any(m in str(self) for m in _ELECTION)
+
+    @property
+    def refused(self) -> bool:
+        """etcd answered no for good (authentication, permissions): asking again gets the same answer."""
+        return self.code in _REFUSED_CODES or "permission denied" in str(self).lower()
 
 
 class EtcdLeaseNotFoundError(EtcdError):
@@ -526,7 +532,7 @@ def _translate(operation: str, endpoint: str, exc: BaseException) -> EtcdError:
 
 def _access_error(error: EtcdError, endpoints: str) -> EtcdAccessError | None:
     detail = str(error).lower()
-    if error.code in ("UNAUTHENTICATED", "PERMISSION_DENIED") or any(s in detail for s in _ACCESS_DENIED):
+    if error.code in _REFUSED_CODES or any(s in detail for s in _ACCESS_DENIED):
         hint = "check --etcd-cacert/--etcd-cert/--etcd-key" if "cert" in detail or "ssl" in detail else ""
         hint = hint or f"check {o.ETCD_USER.flag} and the password ({o.ETCD_PASSWORD_FILE.flag} or {ETCD_PASSWORD})"
         return EtcdAccessError(f"etcd at {endpoints} refused the connection: {error.code}: {_short(error)}; {hint}")

@@ -21,9 +21,6 @@ from elasticd.worker.checkpoints import CommitDeferredError
 # One commit transaction waits this long for an answer (s); an unanswered one is asked again later, so a short
 # bound costs nothing and keeps an outage from holding the writer (and the next save behind it).
 REQUEST_TIMEOUT_S = 2.0
-# etcd's answers that say no for good (its permissions refuse the write); any other error leaves the commit unknown
-# (seen during a lost quorum: DEADLINE_EXCEEDED, UNAVAILABLE, "UNKNOWN: context deadline exceeded", no endpoint left)
-_REFUSALS = frozenset({"PERMISSION_DENIED", "UNAUTHENTICATED"})
 
 
 class EtcdFence:
@@ -45,7 +42,9 @@ class EtcdFence:
         try:
             return self._lineage().commit(record.token, record)
         except EtcdError as exc:
-            if exc.code in _REFUSALS or "permission denied" in str(exc).lower():
+            # only a refusal for good refuses the commit; any other error leaves it unknown (seen during a lost
+            # quorum: DEADLINE_EXCEEDED, UNAVAILABLE, "UNKNOWN: context deadline exceeded", no endpoint left)
+            if exc.refused:
                 return False  # etcd answered and will answer the same: refused, as a stale writer is
             # etcd away (or without quorum): whether the transaction was applied is unknown until it answers. The
             # saver keeps the sealed directory and asks again, in step order (worker/commit_queue.py).
