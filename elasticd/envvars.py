@@ -29,6 +29,8 @@ LOCAL_ADDR = _o.LOCAL_ADDR.env
 SOCKET = PREFIX + "SOCKET"
 # "0" makes checkpoint saves blocking (the benchmarks compare both); default: asynchronous.
 ASYNC_CHECKPOINTS = PREFIX + "ASYNC_CHECKPOINTS"
+# "0": the daemon starts each worker as a new interpreter, not forked from its warm server (agent/warm_start.py).
+WARM_START = PREFIX + "WARM_START"
 # Directory of the progress board (elasticd/board.py): a shared-memory slot per local worker, and where a worker
 # writes its stacks and flight-recorder dump when its daemon suspects a hang.
 BOARD = PREFIX + "BOARD"

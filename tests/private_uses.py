@@ -41,7 +41,7 @@ ACCESSORS = ("getattr", "setattr", "hasattr", "delattr")
 # Standard-library privates elasticd may use, each with why: module-qualified, or a bare name for a protocol.
 STDLIB = {
     "os._exit": "leave at once, without atexit handlers or flushing, from a process that must not linger",
-    "atexit._run_exitfuncs": "run the atexit handlers ourselves before os._exit (exit_guard.py)",
+    "atexit._run_exitfuncs": "run the atexit handlers ourselves before os._exit (exit_guard.py, worker/warm.py)",
     "sys._getframe": "the script's outermost frame, traced for the SystemExit that ends it (exit_guard.py)",
     "_fields": "namedtuple's documented API (its fields, to rebuild one)",
 }

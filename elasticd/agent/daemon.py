@@ -6,6 +6,7 @@ Everything started here is stopped here, in reverse order, on every path out (an
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -14,7 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from functools import partial
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from elasticd import __version__, envvars, rundir
 from elasticd.accelerate_env import default_threads, physical_cores, worker_environment
 from elasticd.addresses import check_local_addr, collective_env, listen_address
+from elasticd.agent import warm_start
 from elasticd.agent.agreement import HangAgreement
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.hangs import HangHandler
@@ -141,6 +143,11 @@ def run_daemon(cfg: StartConfig) -> int:
         stack.callback(shutil.rmtree, runtime.dir, ignore_errors=True)
         board_dir = runtime.board
         _export_worker_env(cfg, runtime, run_layout, log)
+        worker_starts: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+        if warm_start.enabled():  # after the export: the warm server runs with the workers' environment
+            warm = warm_start.WarmStarts(cfg.script, log)
+            warm.start()
+            worker_starts = warm.handlers
 
         handler = create_handler(rendezvous_parameters(cfg))
         spec = WorkerSpec(
@@ -203,6 +210,7 @@ def run_daemon(cfg: StartConfig) -> int:
             ),
             announce_leaving=lease.announce_leaving if lease is not None else None,
             group_nodes=lambda: group_nodes(client, keys),
+            worker_starts=worker_starts,
         )
         stack.callback(BeatReceiver(str(runtime.socket), on_beat=agent.on_beat, log=log).close)
         _install_leave_signals(agent)

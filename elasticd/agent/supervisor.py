@@ -12,9 +12,11 @@ names the node that joined; the round's state lives in :class:`~elasticd.agent.r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -81,9 +83,11 @@ class ElasticdAgent(LocalElasticAgent):
         join_finder: Callable[[], GroupToJoin | None] | None = None,
         announce_leaving: Callable[[], None] | None = None,
         group_nodes: Callable[[], list[str] | None] | None = None,
+        worker_starts: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self._worker_starts = worker_starts  # around torch's start of the workers: warm starts (agent/warm_start.py)
         self._run_id = run_id
         self._node_id = node_id
         self._metrics = metrics
@@ -323,7 +327,8 @@ class ElasticdAgent(LocalElasticAgent):
         if self.sizing.started(self._log, worker_group.spec.local_world_size):
             self.workers.forget_processes()  # a spare this round: nothing to start, stop or watch
             return {}
-        pids = super()._start_workers(worker_group)
+        with self._worker_starts():
+            pids = super()._start_workers(worker_group)
         rdzv_faults.maybe_die(
             "started", rank=worker_group.group_rank or 0, round_=round_, pids=pids.values(), log=self._log.warning
         )

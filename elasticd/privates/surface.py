@@ -38,6 +38,8 @@ class Fallback(StrEnum):
     BLOCKING_SAVES = "blocking_saves"
     # Hang evidence has stacks and ``/proc`` state but no flight-recorder dump.
     NO_FLIGHT_RECORDER = "no_flight_recorder"
+    # Workers start as new interpreters (``python -u -m elasticd.worker.launch SCRIPT``), as ``ELASTICD_WARM_START=0``.
+    COLD_STARTS = "cold_starts"
 
 
 class Process(StrEnum):

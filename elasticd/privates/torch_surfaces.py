@@ -376,4 +376,33 @@ _DIAGNOSTICS = (
     ),
 )
 
-TORCH: tuple[Surface, ...] = (*_AGENT, *_RENDEZVOUS, *_HOT_PATH, *_DIAGNOSTICS)
+_MP = "torch.distributed.elastic.multiprocessing.api"
+
+_WARM_STARTS = (
+    Surface(
+        f"{_MP}.get_subprocess_handler",
+        ("elasticd.agent.warm_start",),
+        "swapped while the agent starts its workers (SubprocessContext._start calls it for each): a warm worker's"
+        " handler, whose proc torch uses for pid, poll() and wait(timeout), and whose close(signal) it calls",
+        every(
+            reads(f"{_MP}:SubprocessContext._start", "get_subprocess_handler"),
+            callable_with(
+                f"{_MP}:get_subprocess_handler",
+                "entrypoint",
+                "args",
+                "env",
+                "stdout",
+                "stderr",
+                "local_rank_id",
+                "numa_options",
+            ),
+            mentions(f"{_MP}:SubprocessContext._close", "handler.proc.poll()", "handler.proc.wait(", "handler.close("),
+            mentions(f"{_MP}:SubprocessContext.pids", "sh.proc.pid"),
+            mentions(f"{_MP}:SubprocessContext._capture_process_failures", "handler.proc.poll()"),
+        ),
+        Fallback.COLD_STARTS,
+        Process.DAEMON,
+    ),
+)
+
+TORCH: tuple[Surface, ...] = (*_AGENT, *_RENDEZVOUS, *_HOT_PATH, *_DIAGNOSTICS, *_WARM_STARTS)

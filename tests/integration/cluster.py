@@ -105,8 +105,13 @@ class Node:
         return wait_until(found, timeout_s, f"{self.name}: event {name}")
 
     def worker_pids(self) -> list[int]:
-        """Every process below the daemon but its reaper (elasticd/agent/reaper.py), which is no worker."""
-        return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True) if not _is_reaper(c)]
+        """Every process below the daemon but its reaper (elasticd/agent/reaper.py) and its warm server
+        (elasticd/agent/warm_start.py), which are no workers."""
+        return [
+            c.pid
+            for c in psutil.Process(self.proc.pid).children(recursive=True)
+            if not _is_reaper(c) and not _is_warm_server(c, self.proc.pid)
+        ]
 
     def kill(self) -> None:
         """The node dies: SIGKILL to the daemon and every process below it, at the same moment."""
@@ -258,6 +263,14 @@ def _is_reaper(process: psutil.Process) -> bool:
 
     try:
         return MODULE in process.cmdline()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _is_warm_server(process: psutil.Process, daemon_pid: int) -> bool:
+    """The daemon's own forkserver child (its workers are the server's children, with the same command line)."""
+    try:
+        return process.ppid() == daemon_pid and "multiprocessing.forkserver" in " ".join(process.cmdline())
     except psutil.NoSuchProcess:
         return False
 
