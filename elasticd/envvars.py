@@ -99,6 +99,8 @@ ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # A worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr.
 PYTHONFAULTHANDLER = "PYTHONFAULTHANDLER"
+# read by the interpreter at start-up only: a warm-started worker (worker/warm.py) applies it itself
+PYTHONDONTWRITEBYTECODE = "PYTHONDONTWRITEBYTECODE"
 
 # --- the etcd side ---------------------------------------------------------------------------------------------------
 # gRPC's C core log level: it logs every failed TLS handshake and reconnect at INFO on stderr (etcd/__init__.py).

@@ -144,10 +144,8 @@ def run_daemon(cfg: StartConfig) -> int:
         board_dir = runtime.board
         _export_worker_env(cfg, runtime, run_layout, log)
         worker_starts: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
-        if warm_start.enabled():  # after the export: the warm server runs with the workers' environment
-            warm = warm_start.WarmStarts(cfg.script, log)
-            warm.start()
-            worker_starts = warm.handlers
+        if warm_start.enabled():  # started with the first workers, in the workers' environment (exported above)
+            worker_starts = warm_start.WarmStarts(cfg.script, log).handlers
 
         handler = create_handler(rendezvous_parameters(cfg))
         spec = WorkerSpec(

@@ -3,8 +3,9 @@
 Cold, each worker is a new interpreter (``python -u -m elasticd.worker.launch SCRIPT``) that imports torch,
 accelerate and ``torch._dynamo`` before its first line of training: ~5 s of CPU per worker, paid again at every
 restart from a checkpoint and by every joining node (``elasticd/worker/warm.py`` says where it goes).
-:class:`WarmStarts` starts Python's ``multiprocessing`` forkserver when the daemon starts, preloaded with those
-modules, so the imports overlap the rendezvous; a worker is then a fork of it running :func:`elasticd.worker.warm.run`.
+:class:`WarmStarts` starts Python's ``multiprocessing`` forkserver at the daemon's first worker start, preloaded
+with those modules (the first start waits for them, as a cold worker would for its own imports); every later
+worker is a fork of it running :func:`elasticd.worker.warm.run`.
 
 torch's agent keeps starting, watching and stopping the workers: :meth:`WarmStarts.handlers` swaps the factory its
 process context calls for each worker (``get_subprocess_handler``, listed in ``elasticd/privates/torch_surfaces.py``)
@@ -114,9 +115,16 @@ class WarmStarts:
         self._usable = False
         self._started: list[WarmProcess] = []
         self._lock = threading.Lock()
+        self._begun = False
 
     def start(self) -> None:
-        """Start the server and its imports in the background (they overlap the rendezvous)."""
+        """Start the server and its imports in the background (idempotent). The daemon calls it with its first
+        worker start, not before: on a host that several nodes share (the suite's, 2 cores), preloads competing
+        with the daemons' own start stretched a rendezvous to 34 s and split the first round (measured)."""
+        with self._lock:
+            if self._begun:
+                return
+            self._begun = True
         self._context.set_forkserver_preload(self._preload)
         threading.Thread(target=self._first_request, name="elasticd-warm-start", daemon=True).start()
         atexit.register(self._kill_leftovers)  # before multiprocessing's own exit hook, which would wait on them
@@ -146,6 +154,7 @@ class WarmStarts:
         if cold is None or problems(TORCH, fallback=Fallback.COLD_STARTS):
             yield
             return
+        self.start()
         setattr(api, _FACTORY, self._factory(cold))
         try:
             yield

@@ -123,7 +123,10 @@ class FaultInjector:
 
     def before_commit(self, step: int) -> None:
         if any(f.extra.get("commit") == str(step) for f in self._of("freeze")):
-            os.kill(os.getppid(), signal.SIGSTOP)  # the whole node: its daemon too, so nobody reports for it
+            # the whole node: its daemon too, so nobody reports for it (a warm-started worker's parent is the
+            # daemon's warm server, not the daemon: the daemon's pid is in the environment; torchrun sets none)
+            daemon = int(os.environ.get(envvars.DAEMON_PID) or 0) or os.getppid()
+            os.kill(daemon, signal.SIGSTOP)
             # Stop this very thread (the checkpoint writer) before it returns: a SIGSTOP sent to the process goes to
             # its main thread first, and a writer that runs on while the main thread waits for a core reaches the
             # fence and commits (seen under load: the "stale" step-20 record of tests/integration/test_lineage.py).

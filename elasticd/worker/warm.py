@@ -19,6 +19,7 @@ import ast
 import atexit
 import faulthandler
 import io
+import multiprocessing
 import os
 import runpy
 import signal
@@ -115,7 +116,10 @@ def _unbuffered(fd: int, old: TextIO) -> io.TextIOWrapper:
 
 def _startup_variables(env: Mapping[str, str]) -> None:
     """What an interpreter does with the variables it reads only when it starts (the warm server started with the
-    daemon's environment, not the rank's)."""
+    daemon's environment and flags, not the rank's), and the process name a new interpreter has: libraries tell a
+    main process from a multiprocessing child by it (transformers' data collators seed differently)."""
+    multiprocessing.current_process().name = "MainProcess"
+    sys.dont_write_bytecode = bool(env.get(envvars.PYTHONDONTWRITEBYTECODE))
     if env.get(envvars.PYTHONFAULTHANDLER):
         faulthandler.enable(all_threads=True)  # on the new stderr
     elif faulthandler.is_enabled():

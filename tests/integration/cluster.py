@@ -105,8 +105,8 @@ class Node:
         return wait_until(found, timeout_s, f"{self.name}: event {name}")
 
     def worker_pids(self) -> list[int]:
-        """Every process below the daemon but its reaper (elasticd/agent/reaper.py) and its warm server
-        (elasticd/agent/warm_start.py), which are no workers."""
+        """Every process below the daemon but its reaper (elasticd/agent/reaper.py) and its warm server with its
+        resource tracker (elasticd/agent/warm_start.py), which are no workers."""
         return [
             c.pid
             for c in psutil.Process(self.proc.pid).children(recursive=True)
@@ -268,9 +268,12 @@ def _is_reaper(process: psutil.Process) -> bool:
 
 
 def _is_warm_server(process: psutil.Process, daemon_pid: int) -> bool:
-    """The daemon's own forkserver child (its workers are the server's children, with the same command line)."""
+    """The daemon's own forkserver child and the resource tracker multiprocessing starts with it (the workers are the
+    server's children, with the server's command line)."""
     try:
-        return process.ppid() == daemon_pid and "multiprocessing.forkserver" in " ".join(process.cmdline())
+        command = " ".join(process.cmdline())
+        ours = "multiprocessing.forkserver" in command or "multiprocessing.resource_tracker" in command
+        return process.ppid() == daemon_pid and ours
     except psutil.NoSuchProcess:
         return False
 

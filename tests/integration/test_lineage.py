@@ -211,9 +211,9 @@ def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_establis
     # daemons must notice, form a new round that re-establishes registry, token and lineage (adopting the newest
     # verified checkpoint on disk), commit again, and let a new node in.
     keys = RunKeys("wiped")
-    # Rounds before the join (round 0, and round 0 again in the emptied etcd) train at 0.15 s a step, so that the run
-    # outlasts the third node's start (130 steps after the commit of step 20: ~20 s); the joined round (1) trains at
-    # full speed to the end.
+    # Rounds before the join (round 0, round 0 again in the emptied etcd, and round 1 when the second node is back:
+    # a restart there is quick, a warm start) train at 0.15 s a step, so that the run outlasts the third node's
+    # start (130 steps after the commit of step 20: ~20 s); a round after those trains at full speed to the end.
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -221,7 +221,7 @@ def test_etcd_that_comes_back_empty_is_detected_and_the_run_keys_are_re_establis
         min_nodes=2,
         max_nodes=3,
         script_args=train_args(150, 0.05),
-        env={"ELASTICD_FAULT": "slow@round=0,seconds=0.1"},
+        env={"ELASTICD_FAULT": "slow@round=0,seconds=0.1;slow@round=1,seconds=0.1"},
     ) as cluster:
         try:
             cluster.start("a"), cluster.start("b")

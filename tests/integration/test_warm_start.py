@@ -44,6 +44,7 @@ print(json.dumps({
     "rank": os.environ.get("RANK"), "getenv_rank": libc.getenv(b"RANK").decode(), "helper": VALUE,
     "threads": torch.get_num_threads(), "faulthandler": faulthandler.is_enabled(),
     "own_session": os.getsid(0) == os.getpid(), "own_group": os.getpgid(0) == os.getpid(),
+    "process_name": __import__("multiprocessing").current_process().name, "no_bytecode": sys.dont_write_bytecode,
 }))
 sys.exit(int(sys.argv[1]))
 """
