@@ -103,14 +103,22 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd:
                     assert set(e["lost_nodes"]) <= {victim, *alive}, e
                 assert any(victim in e["lost_nodes"] for e in abandoned), abandoned
             else:
-                # The round had formed and workers were starting: each survivor sees the member gone and
-                # re-rendezvouses at once, as for a membership change (no restart of --max-restarts spent).
+                # The round had formed and workers were starting: each survivor of that round sees the member gone
+                # and re-rendezvouses at once, as for a membership change (no restart of --max-restarts spent), or
+                # had already left the round for a node waiting (its workers start warm in a fraction of a second,
+                # and a survivor the round left out waits: seen in the suite). A survivor not in it sees nothing.
                 abandoned = [
                     e for n in alive for e in c.nodes[n].events("round_member_lost") if _when(e) > killed_at - 1
                 ]
-                assert {n for n in survivors if any(e["node_id"] == n for e in abandoned)} == set(survivors), (
-                    c.diagnostics()
-                )
+                doomed = set(c.nodes[victim].events("rendezvous_done")[-1]["members"]) - {victim}
+                noticed = {e["node_id"] for e in abandoned}
+                regrouped = {
+                    n
+                    for n in doomed
+                    for e in c.nodes[n].events("restart")
+                    if e["reason"] == "membership" and _when(e) > killed_at - 1
+                }
+                assert noticed and doomed <= noticed | regrouped, c.diagnostics()
                 assert all(victim in e["lost_nodes"] and set(e["lost_nodes"]) <= {victim, *alive} for e in abandoned)
             figures.append(
                 {
