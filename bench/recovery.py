@@ -599,12 +599,17 @@ def first_step_without(job: Job, before: dict[str, Any], after: float) -> dict[s
 
 
 def worker_pids(node: Node) -> list[int]:
-    """The node's worker processes: those below the launcher that run the job's script."""
+    """The node's worker processes: those below the launcher that run the job's script, by their command line (a new
+    interpreter), or named by the daemon's last ``workers_started`` (a warm-started worker is a fork of the daemon's
+    warm server and keeps the server's command line: elasticd/agent/warm_start.py)."""
     script = SCRIPT_NAME
+    node.refresh()
+    started = node.events("workers_started")
+    named = set(started[-1].get("pids", [])) if started else set()
     pids = []
     for process in node.tree()[1:]:
         with contextlib.suppress(psutil.NoSuchProcess):
-            if any(part.endswith(script) for part in process.cmdline()):
+            if process.pid in named or any(part.endswith(script) for part in process.cmdline()):
                 pids.append(process.pid)
     return pids
 
