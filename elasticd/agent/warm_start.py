@@ -39,7 +39,7 @@ from elasticd.privates.check import problems
 from elasticd.privates.surface import Fallback
 from elasticd.privates.torch_surfaces import TORCH
 from elasticd.worker import warm
-from elasticd.worker.launch import MODULE as LAUNCHER
+from elasticd.worker.launch import PREFIX
 
 # How long a worker start waits for the warm server's first answer (its imports) before starting cold instead.
 READY_TIMEOUT_S = 60.0
@@ -55,11 +55,10 @@ def enabled(environ: Mapping[str, str] = os.environ) -> bool:
 
 def launched_script(entrypoint: str, args: Sequence[Any]) -> list[str] | None:
     """``[SCRIPT, *ARGS]`` of a worker command line made by ``worker.launch.worker_args``; None for any other."""
-    head = ("-u", "-m", LAUNCHER)
     words = [str(a) for a in args]
-    if entrypoint != sys.executable or tuple(words[: len(head)]) != head or len(words) == len(head):
+    if entrypoint != sys.executable or tuple(words[: len(PREFIX)]) != PREFIX or len(words) == len(PREFIX):
         return None
-    return words[len(head) :]
+    return words[len(PREFIX) :]
 
 
 class WarmProcess:
@@ -116,6 +115,7 @@ class WarmStarts:
         self._started: list[WarmProcess] = []
         self._lock = threading.Lock()
         self._begun = False
+        self._factory_moved: bool | None = None
 
     def start(self) -> None:
         """Start the server and its imports in the background (idempotent). The daemon calls it with its first
@@ -151,7 +151,9 @@ class WarmStarts:
         from torch.distributed.elastic.multiprocessing import api
 
         cold = getattr(api, _FACTORY, None)
-        if cold is None or problems(TORCH, fallback=Fallback.COLD_STARTS):
+        if self._factory_moved is None:  # checked once: torch does not change under a running daemon
+            self._factory_moved = bool(problems(TORCH, fallback=Fallback.COLD_STARTS))
+        if cold is None or self._factory_moved:
             yield
             return
         self.start()

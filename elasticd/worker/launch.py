@@ -22,11 +22,13 @@ from elasticd.errors import EXIT_ORPHANED, EXIT_USAGE
 from elasticd.parentdeath import parent_is, set_parent_death_signal
 
 MODULE = "elasticd.worker.launch"
+# The interpreter arguments before the script's: what agent/warm_start.py recognises as a worker's command line.
+PREFIX = ("-u", "-m", MODULE)
 
 
 def worker_args(script: str, script_args: Sequence[str]) -> tuple[str, ...]:
     """The interpreter arguments of a worker (torch's ``WorkerSpec.args`` with ``entrypoint=sys.executable``)."""
-    return ("-u", "-m", MODULE, script, *script_args)
+    return (*PREFIX, script, *script_args)
 
 
 def main(argv: Sequence[str]) -> NoReturn:
