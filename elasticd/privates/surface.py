@@ -40,6 +40,8 @@ class Fallback(StrEnum):
     NO_FLIGHT_RECORDER = "no_flight_recorder"
     # Workers start as new interpreters (``python -u -m elasticd.worker.launch SCRIPT``), as ``ELASTICD_WARM_START=0``.
     COLD_STARTS = "cold_starts"
+    # torch names its rendezvous events itself, walking the whole stack for each (CPU, no change in behaviour).
+    TORCH_EVENT_NAMES = "torch_event_names"
 
 
 class Process(StrEnum):

@@ -297,6 +297,20 @@ _RENDEZVOUS = (
         Fallback.TORCH_TIMING,
         Process.DAEMON,
     ),
+    Surface(
+        f"{_RDZV}.get_method_name",
+        ("elasticd.rendezvous.event_names",),
+        "replaced for the whole process: torch names each rendezvous event it records with it (two inspect.stack()"
+        " walks a call); ours reads the caller's frame",
+        every(
+            callable_with(f"{_RDZV}:get_method_name", "depth"),
+            mentions(f"{_RDZV}:_BackendRendezvousStateHolder._record", "get_method_name()"),
+            mentions(f"{_RDZV}:_DistributedRendezvousOpExecutor._record", "get_method_name()"),
+            mentions(f"{_RDZV}:DynamicRendezvousHandler._record", "get_method_name()"),
+        ),
+        Fallback.TORCH_EVENT_NAMES,
+        Process.DAEMON,
+    ),
 )
 
 _HOT_PATH = (

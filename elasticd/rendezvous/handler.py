@@ -37,7 +37,7 @@ from elasticd.errors import ConfigError
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys, validate_run_id
 from elasticd.logging import get_logger
-from elasticd.rendezvous import faults, wakeup
+from elasticd.rendezvous import event_names, faults, wakeup
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
 from elasticd.rendezvous.liveness import RoundView, RoundWatch
 from elasticd.rendezvous.quorum import CloseWhenEveryoneIsIn, ReformingExecutor, StateHandler
@@ -295,6 +295,7 @@ def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:
         keep_alive_max_attempt=_positive_int(params, "keep_alive_max_attempt", KEEP_ALIVE_MAX_ATTEMPT),
     )
     assert isinstance(handler, ElasticdRendezvousHandler)
+    event_names.install()  # CPU only: torch keeps its own naming when its use moved (the fallback says so)
     handler.reform_fast(client, backend)
     return handler
 

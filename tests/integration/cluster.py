@@ -251,11 +251,15 @@ class Cluster:
     def __enter__(self) -> Cluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            # a failed test shows each node's last lines with its error (pytest prints a failing test's stdout):
+            # the only trace a CI run keeps of the daemons it ran
+            print(self.diagnostics(lines=25))
         self.close()
 
-    def diagnostics(self) -> str:
-        return "\n".join(f"===== {name}\n{node.tail()}" for name, node in self.nodes.items())
+    def diagnostics(self, lines: int = 40) -> str:
+        return "\n".join(f"===== {name}\n{node.tail(lines)}" for name, node in self.nodes.items())
 
 
 def _is_reaper(process: psutil.Process) -> bool:

@@ -98,8 +98,10 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd:
                 assert abandoned, c.diagnostics()
                 for e in abandoned:
                     assert e["phase"] == expected_phase and e["waited_s"] < ABANDON_BOUND_S, e
-                    # The dead node is named, unless a survivor gave the round up first (it left, nobody died).
-                    assert e["reason"] in ("member_lost", "member_left"), e
+                    # The dead node is named, unless a survivor gave the round up first (it left, nobody died), or
+                    # the others had moved on to the next round without this survivor (its keep-alive looked stale
+                    # to them on a busy host: they dropped it, and it finds a newer round; seen in CI).
+                    assert e["reason"] in ("member_lost", "member_left", "superseded"), e
                     assert set(e["lost_nodes"]) <= {victim, *alive}, e
                 assert any(victim in e["lost_nodes"] for e in abandoned), abandoned
             else:
