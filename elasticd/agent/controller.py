@@ -189,6 +189,12 @@ class Controller:
         # a worker on its way out (an exception escaped) is a failure about to be reported: no join first
         failing = state is GroupState.HEALTHY and hangs.exiting()
         waiting = run.nodes_waiting() if state is GroupState.HEALTHY and not failing else 0
+        peer_checkpointed = state is GroupState.HEALTHY and reports.all_saved()
+        if peer_checkpointed and not self.drain:
+            # A checkpoint another node asked for begins a drain as well as a join: read the drain request now, not
+            # at the next control poll, or a drain seen a poll late restarts the workers as for a join and the node
+            # leaves between rounds without its drain (seen in the suite: `elasticd stop` while training in place).
+            self.drain = run.drain_requested()
         fatal = reports.fatal
         decision = self.policy.decide(
             Observation(
@@ -197,7 +203,7 @@ class Controller:
                 drain_requested=self.drain,
                 leave_requested=self.signals.leave_requested,
                 restarts_left=workers.restarts_left(),
-                peer_checkpointed=state is GroupState.HEALTHY and reports.all_saved(),
+                peer_checkpointed=peer_checkpointed,
                 fatal_message=fatal.message if fatal else "",
                 hang=hang,
                 lineage_lost=lineage_lost,

@@ -136,9 +136,9 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd:
         # Nothing above spent one of --max-restarts, and nobody gave up.
         for name in alive:
             assert all(e["reason"] == "membership" for e in c.nodes[name].events("restart")), c.nodes[name].tail()
-        # End the run as an operator stopping every node at once: each checkpoints, leaves and exits 0. (Not
-        # `elasticd stop`: a node whose workers saved the drain checkpoint a peer asked for before its own 1 s poll
-        # saw the drain restarts instead, and then finds the rendezvous closed; a race of the drain path.)
+        # End the run as an operator stopping every node at once: each checkpoints, leaves and exits 0. (`elasticd
+        # stop` has tests of its own; it once raced here: a node whose workers saved the drain checkpoint a peer asked
+        # for before its own poll saw the drain restarted instead, fixed in agent/controller.py.)
         for name in alive:
             c.nodes[name].proc.send_signal(signal.SIGTERM)
         for name in alive:

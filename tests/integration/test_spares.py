@@ -3,7 +3,8 @@ trains on the largest count that does while the other nodes wait as spares, and 
 
 Global batch 16 in micro-batches of 4, one worker per node, ``--min-nodes 2 --max-nodes 4``: 4 and 2 nodes split it,
 3 do not. 4 train → kill -9 of one → 2 train and 1 waits as a spare (registry, ``elasticd status --json``, metric) →
-a node joins → 4 train → the run finishes, every sample of every epoch trained exactly once.
+a node joins → 4 train → the run is drained (``elasticd stop``), every sample of every epoch it completed trained
+exactly once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,13 +21,15 @@ import pytest
 
 from elasticd.etcd.server import EmbeddedEtcd
 from tests.helpers import free_port
-from tests.integration.cluster import Cluster, leftover_processes, wait_until
+from tests.integration.cluster import Cluster, leftover_processes, step_after, wait_until
 from tests.integration.test_worker_library import effective_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
 
 DATASET, GLOBAL_BATCH, MICRO = 160, 16, 4
-EPOCHS = 8
+# longer than the test, which drains the run once 4 train again: a joiner's start took 20-25 s on a loaded host, and
+# an 8-epoch run ended before it (seen in the suite)
+EPOCHS = 100
 STEPS_PER_EPOCH = DATASET // GLOBAL_BATCH
 
 
@@ -88,8 +92,16 @@ def test_kill_one_of_four_leaves_two_training_and_a_spare_that_steps_in_at_the_n
         assert warnings and warnings[-1]["training_nodes"] == 2 and warnings[-1]["nodes"] == 3
         assert "global batches that fit every node count in 2..4: 48, 96, 144" in warnings[-1]["message"]
 
+        joined_at = time.time()
         start("sp-4")  # 3 -> 4 nodes: the spare steps in
-        c.wait_step(lambda s: s["world_size"] == 4 and s["step"] > mark + 3, timeout_s=120, what="4 workers again")
+        # a step printed since (the first round's steps at 4 are older: the group resumed from an earlier step)
+        again = c.wait_step(step_after(joined_at, 4), timeout_s=150, what="4 workers again")
+        c.wait_step(lambda s: s["step"] >= again["step"] + 5, timeout_s=60, what="4 workers train on")
+        stop = subprocess.run(
+            [sys.executable, "-m", "elasticd", "stop", "--etcd", etcd.endpoint, "--run-id", "spares"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+        assert stop.returncode == 0, stop.stderr
         alive = ["sp-0", "sp-2", "sp-3", "sp-4"]
         for name in alive:
             assert c.nodes[name].wait(300) == 0, c.diagnostics()
@@ -100,20 +112,28 @@ def test_kill_one_of_four_leaves_two_training_and_a_spare_that_steps_in_at_the_n
         # the global batch holds at 2 and at 4: the samples the ranks recorded for each step, not the step line's own
         # arithmetic (160 samples in batches of 16: no step is padded)
         trained = effective_ids(record)
-        assert {step: len(ids) for step, ids in trained.items() if len(ids) != GLOBAL_BATCH} == {}
-        assert steps[-1]["step"] == EPOCHS * STEPS_PER_EPOCH
+        last = steps[-1]["step"]  # the drain's (a step in flight then may be recorded by some ranks only)
+        assert {step: len(ids) for step, ids in trained.items() if len(ids) != GLOBAL_BATCH and step <= last} == {}
         for name in alive:
             assert not c.nodes[name].events("gave_up"), c.nodes[name].tail()
-        assert_exactly_once(record)
+            assert c.nodes[name].events("draining"), c.nodes[name].tail()
+        assert_exactly_once(record, last)
 
 
-def assert_exactly_once(record: Path) -> None:
+def assert_exactly_once(record: Path, last_step: int) -> None:
+    """Steps 1..``last_step`` were trained; every epoch they complete saw each sample once, a last partial one none
+    twice. The ranks may have recorded the samples of one step more: the one in flight when the drain parked them."""
     ids = effective_ids(record)
-    assert sorted(ids) == list(range(1, EPOCHS * STEPS_PER_EPOCH + 1)), "a step is missing"
-    for epoch in range(EPOCHS):
+    assert set(ids) - set(range(1, last_step + 1)) <= {last_step + 1}, sorted(ids)[-3:]
+    ids = {step: trained for step, trained in ids.items() if step <= last_step}
+    assert sorted(ids) == list(range(1, last_step + 1)), "a step is missing"
+    for epoch in range(-(-last_step // STEPS_PER_EPOCH)):
         first = epoch * STEPS_PER_EPOCH + 1
-        seen = [i for s in range(first, first + STEPS_PER_EPOCH) for i in ids[s]]
-        assert sorted(seen) == list(range(DATASET)), f"epoch {epoch}: samples skipped or repeated"
+        seen = [i for s in range(first, min(first + STEPS_PER_EPOCH, last_step + 1)) for i in ids[s]]
+        if first + STEPS_PER_EPOCH - 1 <= last_step:
+            assert sorted(seen) == list(range(DATASET)), f"epoch {epoch}: samples skipped or repeated"
+        else:
+            assert len(seen) == len(set(seen)), f"epoch {epoch} (partial): a sample repeated"
 
 
 def test_a_first_round_that_does_not_fit_reforms_with_a_spare_without_counting_a_restart(

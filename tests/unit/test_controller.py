@@ -283,6 +283,33 @@ def test_a_drain_request_is_read_once_per_control_interval(node: Node, clock: Cl
     assert node.actions() == [("checkpoint_first", "drain"), ("state", NodeState.DRAINING), ("drain", False)]
 
 
+def test_a_checkpoint_a_peer_asked_for_reads_the_drain_at_once_and_drains(
+    node: Node, clock: Clock, controller: Controller
+) -> None:
+    controller.step()
+    # `elasticd stop`: a peer saw the request first and asked for the drain's checkpoint, which every local worker
+    # saved before this node's next control poll
+    node.run.drain_wanted, node.reports.saved = True, True
+    clock.now += 0.1
+    outcome = controller.step()
+    assert outcome is not None and (outcome.node_state, outcome.exit_code) == (NodeState.DRAINING, EXIT_OK)
+    assert node.actions() == [("checkpoint_first", "drain"), ("state", NodeState.DRAINING), ("drain", False)]
+
+
+def test_a_checkpoint_a_peer_asked_for_without_a_drain_is_a_join(
+    node: Node, clock: Clock, controller: Controller
+) -> None:
+    controller.step()
+    node.reports.saved = True
+    clock.now += 0.1
+    assert controller.step() is None
+    assert node.actions() == [
+        ("checkpoint_first", "membership"),
+        ("state", NodeState.RESTARTING),
+        ("restart", "membership", False),
+    ]
+
+
 def test_sigterm_leaves_in_place_without_a_checkpoint_when_the_workers_can(node: Node, controller: Controller) -> None:
     node.signals.leave_requested, node.workers.leaves_in_place = True, True
     outcome = controller.step()

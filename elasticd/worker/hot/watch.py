@@ -23,6 +23,7 @@ refreshes change no key.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Collection
 
 from elasticd.etcd.client import EtcdClient, EtcdError
@@ -33,13 +34,31 @@ from elasticd.membership import Bid
 _WATCH_SLICE_S = 5.0
 # After an etcd error, wait this long before watching again (seconds).
 _RETRY_S = 0.5
+# A lease seen gone within this long of this watch's own last etcd error is believed only if it stays gone that long
+# (seconds). When etcd regains quorum it extends every lease by about one election timeout, and a node whose refreshes
+# failed through the outage may miss that window by a second or two before its daemon grants a new lease and puts
+# its key back (agent/node_lease.py): seen in the suite, two of three nodes taken for dead 1 s after quorum returned,
+# and the group broke up. A node that really died meanwhile is found this much later.
+OUTAGE_GRACE_S = 5.0
 
 
 class FailureWatch:
     """Follows one epoch's notice key and its members' node leases; :meth:`reason` is the verdict."""
 
-    def __init__(self, client: EtcdClient, keys: RunKeys, group: str) -> None:
+    def __init__(
+        self,
+        client: EtcdClient,
+        keys: RunKeys,
+        group: str,
+        *,
+        outage_grace_s: float = OUTAGE_GRACE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._client = client
+        self._outage_grace_s = outage_grace_s
+        self._clock = clock
+        self._trusted_from = 0.0  # leases seen gone before this time (after an etcd error of ours) are not believed
+        self._recheck_at: float | None = None  # a lease seen gone inside the grace: look again then
         self._keys = keys
         self._group = group
         self._lock = threading.Lock()
@@ -87,8 +106,12 @@ class FailureWatch:
             try:
                 before = self._client.revision()
                 self._evaluate()
-                self._client.wait_for_change(self._keys.membership_prefix, before + 1, _WATCH_SLICE_S, prefix=True)
+                wait_s = _WATCH_SLICE_S
+                if self._recheck_at is not None:  # nothing may change in etcd meanwhile: wake to look again
+                    wait_s = min(wait_s, max(self._recheck_at - self._clock(), 0.01))
+                self._client.wait_for_change(self._keys.membership_prefix, before + 1, wait_s, prefix=True)
             except EtcdError:
+                self._trusted_from = self._clock() + self._outage_grace_s
                 self._stop.wait(_RETRY_S)
 
     def _evaluate(self) -> None:
@@ -96,10 +119,13 @@ class FailureWatch:
             epoch, nodes = self._epoch, self._nodes
         found = self._client.get(self._keys.membership_notice(self._group, epoch))
         reason = None if found is None else found[0].decode(errors="replace")
+        self._recheck_at = None
         if reason is None and nodes:
             alive = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_alive_prefix)}
             gone = sorted(nodes - alive)
-            if gone:
+            if gone and self._clock() < self._trusted_from:
+                self._recheck_at = self._trusted_from  # just after an outage: gone for good only if still gone then
+            elif gone:
                 reason = f"node liveness lease gone: {', '.join(gone)}"
         bids = self._client.get_prefix(self._keys.membership_bids_prefix(epoch + 1))
         joiners = sum(1 for _, raw, _ in bids if Bid.decode(raw).old_rank is None)
