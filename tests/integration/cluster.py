@@ -258,6 +258,14 @@ class Cluster:
         self.nodes[name] = node
         return node
 
+    def stop_run(self) -> None:
+        """``elasticd stop``: the run drains (a checkpoint, then every node exits 0)."""
+        stop = subprocess.run(
+            [sys.executable, "-m", "elasticd", "stop", "--etcd", self.etcd, "--run-id", self.run_id],
+            capture_output=True, text=True, timeout=120, cwd=self.workdir,
+        )  # fmt: skip
+        assert stop.returncode == 0, stop.stderr
+
     def all_steps(self) -> list[dict[str, Any]]:
         return sorted((s for n in self.nodes.values() for s in n.steps()), key=lambda s: s["t"])
 

@@ -7,8 +7,6 @@ etcd and gloo. Joins, leaves and hangs in place: tests/integration/test_invarian
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,11 +42,7 @@ def test_a_joiner_that_does_not_fit_the_batch_waits_warm_and_steps_in_for_a_lost
         c.nodes["hw-1"].kill()
         after = waiting_from["step"] + 60
         c.wait_step(lambda s: s["step"] >= after, timeout_s=90, what="training after the loss")
-        stop = subprocess.run(
-            [sys.executable, "-m", "elasticd", "stop", "--etcd", etcd.endpoint, "--run-id", "hotspare"],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        )  # fmt: skip
-        assert stop.returncode == 0, stop.stderr
+        c.stop_run()
         for name in ("hw-0", "hw-2"):
             assert c.nodes[name].wait(150) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -80,11 +78,7 @@ def test_a_step_counter_and_an_ema_registered_for_checkpointing_follow_kill_join
         back = c.wait_step(lambda s: s["world_size"] == 3 and s["step"] > diagnosed["step"], timeout_s=90)
         c.wait_step(lambda s: s["step"] >= back["step"] + 10, timeout_s=60, what="10 steps back at 3")
         # the rest of the run would only repeat what was checked: drain it (a checkpoint, then every node exits 0)
-        stop = subprocess.run(
-            [sys.executable, "-m", "elasticd", "stop", "--etcd", etcd.endpoint, "--run-id", "registered"],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        )  # fmt: skip
-        assert stop.returncode == 0, stop.stderr
+        c.stop_run()
         for name in (by_rank[0], by_rank[2], joiner.name):
             assert c.nodes[name].wait(240) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")

@@ -97,11 +97,7 @@ def test_kill_one_of_four_leaves_two_training_and_a_spare_that_steps_in_at_the_n
         # a step printed since (the first round's steps at 4 are older: the group resumed from an earlier step)
         again = c.wait_step(step_after(joined_at, 4), timeout_s=150, what="4 workers again")
         c.wait_step(lambda s: s["step"] >= again["step"] + 5, timeout_s=60, what="4 workers train on")
-        stop = subprocess.run(
-            [sys.executable, "-m", "elasticd", "stop", "--etcd", etcd.endpoint, "--run-id", "spares"],
-            capture_output=True, text=True, timeout=120, cwd=tmp_path,
-        )  # fmt: skip
-        assert stop.returncode == 0, stop.stderr
+        c.stop_run()
         alive = ["sp-0", "sp-2", "sp-3", "sp-4"]
         for name in alive:
             assert c.nodes[name].wait(300) == 0, c.diagnostics()

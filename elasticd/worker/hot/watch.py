@@ -52,11 +52,9 @@ class FailureWatch:
         group: str,
         *,
         outage_grace_s: float = OUTAGE_GRACE_S,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._client = client
         self._outage_grace_s = outage_grace_s
-        self._clock = clock
         self._trusted_from = 0.0  # leases seen gone before this time (after an etcd error of ours) are not believed
         self._recheck_at: float | None = None  # a lease seen gone inside the grace: look again then
         self._keys = keys
@@ -108,10 +106,10 @@ class FailureWatch:
                 self._evaluate()
                 wait_s = _WATCH_SLICE_S
                 if self._recheck_at is not None:  # nothing may change in etcd meanwhile: wake to look again
-                    wait_s = min(wait_s, max(self._recheck_at - self._clock(), 0.01))
+                    wait_s = min(wait_s, max(self._recheck_at - time.monotonic(), 0.01))
                 self._client.wait_for_change(self._keys.membership_prefix, before + 1, wait_s, prefix=True)
             except EtcdError:
-                self._trusted_from = self._clock() + self._outage_grace_s
+                self._trusted_from = time.monotonic() + self._outage_grace_s
                 self._stop.wait(_RETRY_S)
 
     def _evaluate(self) -> None:
@@ -123,7 +121,7 @@ class FailureWatch:
         if reason is None and nodes:
             alive = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_alive_prefix)}
             gone = sorted(nodes - alive)
-            if gone and self._clock() < self._trusted_from:
+            if gone and time.monotonic() < self._trusted_from:
                 self._recheck_at = self._trusted_from  # just after an outage: gone for good only if still gone then
             elif gone:
                 reason = f"node liveness lease gone: {', '.join(gone)}"
