@@ -30,6 +30,7 @@ EXAMPLE = ROOT / "examples" / "train.py"
 
 
 STEPS_PER_EPOCH = 10  # train_args' dataset: 480 samples in global batches of 48
+CHECKPOINT_EVERY_STEPS = 10  # every Cluster's --checkpoint-every-steps, unless a test passes its own
 
 
 def train_args(steps: int, sleep_s: float = 0.05, *extra: str) -> tuple[str, ...]:
@@ -223,7 +224,7 @@ class Cluster:
             "--checkpoint-dir",
             str(self.checkpoint_dir),
             "--checkpoint-every-steps",
-            "10",
+            str(CHECKPOINT_EVERY_STEPS),
             "--metrics-port",
             "0",
             "--log-format",

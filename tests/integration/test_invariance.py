@@ -25,7 +25,15 @@ import pytest
 import torch
 
 from elasticd.etcd.server import EmbeddedEtcd
-from tests.integration.cluster import Cluster, Node, leftover_processes, read_json_lines, train_args, wait_until
+from tests.integration.cluster import (
+    CHECKPOINT_EVERY_STEPS,
+    Cluster,
+    Node,
+    leftover_processes,
+    read_json_lines,
+    train_args,
+    wait_until,
+)
 from tests.integration.test_worker_library import effective_ids, expected_lr
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(480)]
@@ -122,7 +130,7 @@ def _run(etcd: str, workdir: Path, disturb: bool) -> dict[str, torch.Tensor]:
 
 def _clear_of_saves(step: dict, after: int) -> bool:
     """A step at 4 beyond ``after`` from which the next save (every 10 steps) is 5-8 steps away."""
-    return step["world_size"] == 4 and step["step"] > after and 2 <= step["step"] % 10 <= 5
+    return step["world_size"] == 4 and step["step"] > after and 2 <= step["step"] % CHECKPOINT_EVERY_STEPS <= 5
 
 
 def _check_nothing_restarted_but_the_hung_node(
