@@ -4,7 +4,7 @@ Each integration test starts its nodes as daemons, and each new interpreter impo
 before anything else: ~3 s of CPU. In a suite run (process accounting, every process of a fresh clone's
 ``.ci/run``) 190 daemons used 918 s of CPU, most of it those imports, and on 2 cores the suite's CPU is its wall
 time. :class:`DaemonForks` keeps one server per test process (``python -m tests.integration.daemon_forks``) that
-imported them once; each daemon is a fork of it that becomes ``elasticd start ARGS`` (``elasticd.cli.main``) with
+imported them once; each daemon is a fork of it that becomes ``python -m elasticd start ARGS`` (runpy) with
 the node's environment, working directory, output files and a session of its own, as
 ``subprocess.Popen(..., start_new_session=True)`` gives. From ``elasticd.cli`` on, the daemon runs what a user's
 runs, and starts its reaper, warm server and workers as always. :class:`ForkedDaemon` is what the tests use of a
@@ -30,6 +30,7 @@ import io
 import json
 import os
 import queue
+import runpy
 import select
 import signal
 import subprocess
@@ -134,10 +135,12 @@ def _become_daemon(request: dict[str, Any], close: Sequence[int]) -> NoReturn:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[0] = os.getcwd()  # as `python -m` puts it
-        sys.argv = [str(ROOT / "elasticd" / "__main__.py"), *request["args"]]
-        from elasticd.cli import main
-
-        code = _exit_code(main(request["args"]))
+        sys.argv = ["-m", *request["args"]]  # runpy puts __main__.py's path first, as `python -m` does
+        # `python -m elasticd` itself: __main__ becomes elasticd.__main__, not this module, so what reads
+        # sys.modules["__main__"] sees the daemon's (multiprocessing's forkserver, the warm start, re-imports it
+        # by name in each process it starts, and no module named tests is on a daemon's path)
+        runpy.run_module("elasticd", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as exc:
         code = _exit_code(exc.code)
     except BaseException:
