@@ -1,14 +1,13 @@
-"""The resilient all-reduce hook and the heal on real gloo groups of two, both ranks in this process (a thread each).
+"""The resilient all-reduce hook on real gloo groups of two, both ranks in this process (a thread each).
 
 A rank that never reaches the collective stands for a peer that hangs or waits on someone else; the hook must give
-control back (deadline, notice, abort) with every in-flight bucket completed, and the heal must fail within its
-timeout. DDP's ``GradBucket`` cannot be built from Python, so the hook gets an object with the two methods it uses;
-DDP's own checks of the hook's signature run on a real DDP model in a world of one.
+control back (deadline, notice, abort) with every in-flight bucket completed (the heal: test_heal.py). DDP's
+``GradBucket`` cannot be built from Python, so the hook gets an object with the two methods it uses; DDP's own checks
+of the hook's signature run on a real DDP model in a world of one.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -20,11 +19,9 @@ import torch.distributed as dist
 
 from elasticd.worker.hot.backend import GlooGroups, groups_for
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce, resilient_allreduce_hook
-from elasticd.worker.hot.errors import HealError, UnsupportedSetup
+from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
-from elasticd.worker.hot.heal import HealReport, heal
-from elasticd.worker.sampler import DataPosition
-from elasticd.worker.state import TrainingState
+from tests.integration.gloo_groups import gloo_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -51,19 +48,7 @@ def Bucket(index: int, values: list[float]) -> dist.GradBucket:
 
 
 def gloo_pair(timeout: timedelta = timedelta(seconds=30)) -> list[Any]:
-    store = dist.HashStore()
-    groups: list[Any] = [None, None]
-
-    def make(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(store, rank, 2, timeout)
-
-    threads = [threading.Thread(target=make, args=(rank,)) for rank in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert all(g is not None for g in groups)
-    return groups
+    return gloo_group(2, timeout)
 
 
 @pytest.fixture
@@ -318,145 +303,3 @@ def _done(bucket: Any) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
-
-
-# -- heal ------------------------------------------------------------------------------------------------------------
-
-
-class Trainee:
-    """One member's objects: a model, AdamW, a schedule, progress."""
-
-    def __init__(self, seed: int, hidden: int = 4) -> None:
-        torch.manual_seed(seed)
-        self.model = torch.nn.Sequential(torch.nn.Linear(3, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.1)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: 1.0 / (1.0 + s))
-        self.state = TrainingState()
-
-    def train(self, steps: int) -> None:
-        for _ in range(steps):
-            self.model(torch.ones(2, 3)).pow(2).sum().backward()
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad()
-
-
-def in_both(work: Any) -> list[Any]:
-    """``work(rank)`` on both ranks at once; each outcome is its result or the exception it raised."""
-    outcomes: list[Any] = [None, None]
-
-    def run(rank: int) -> None:
-        try:
-            outcomes[rank] = work(rank)
-        except Exception as exc:
-            outcomes[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads), "a heal did not return"
-    return outcomes
-
-
-def test_heal_gives_a_fresh_member_the_sources_model_optimizer_schedule_and_progress(pair: list[Any]) -> None:
-    source, joiner = Trainee(seed=0), Trainee(seed=1)
-    source.train(3)
-    source.state = TrainingState(step=7, data=DataPosition(0, 84))
-    members = [source, joiner]
-    outcomes = in_both(
-        lambda r: heal(0, members[r].model, members[r].optimizer, members[r].scheduler, members[r].state, group=pair[r])
-    )
-    (sent_state, sent), (got_state, got) = outcomes
-    assert got_state == sent_state == source.state
-    for mine, theirs in zip(joiner.model.parameters(), source.model.parameters(), strict=True):
-        assert torch.equal(mine, theirs) and mine.grad is None
-    assert joiner.scheduler.state_dict() == source.scheduler.state_dict()
-    assert joiner.optimizer.param_groups[0]["lr"] == source.optimizer.param_groups[0]["lr"]
-    assert isinstance(sent, HealReport) and sent.payload_bytes == got.payload_bytes > 0
-    assert sent.bytes_sent == sent.payload_bytes and got.bytes_sent == 0
-    # the optimizer state came along: the next step is the same on both (a fresh AdamW would step differently)
-    source.train(1)
-    joiner.train(1)
-    for mine, theirs in zip(joiner.model.parameters(), source.model.parameters(), strict=True):
-        assert torch.equal(mine, theirs)
-
-
-class Registered:
-    """An object registered for checkpointing: a count, a tensor and a nested plain value in its state."""
-
-    def __init__(self, steps: int = 0) -> None:
-        self.steps, self.ema = steps, torch.full((3,), float(steps))
-        self.history: list[tuple[str, float]] = [("start", steps)]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "ema": self.ema, "history": self.history}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps, self.history = state["steps"], state["history"]
-        self.ema.copy_(state["ema"])
-
-
-def heal_with_registered(members: list[Trainee], objects: list[list[Any]], pair: list[Any]) -> list[Any]:
-    """Both members heal from rank 0, each with its own registered objects."""
-    return in_both(
-        lambda r: heal(
-            0,
-            members[r].model,
-            members[r].optimizer,
-            members[r].scheduler,
-            members[r].state,
-            registered=objects[r],
-            group=pair[r],
-        )
-    )
-
-
-def test_heal_gives_every_member_the_sources_registered_objects_as_a_restart_would(pair: list[Any]) -> None:
-    members = [Trainee(seed=0), Trainee(seed=1)]
-    objects = [[Registered(76), Registered(5)], [Registered(), Registered()]]
-    objects[0][1].history.append(("ema", 0.5))
-    outcomes = heal_with_registered(members, objects, pair)
-    assert not any(isinstance(o, Exception) for o in outcomes), outcomes
-    for mine, theirs in zip(objects[1], objects[0], strict=True):
-        assert mine.steps == theirs.steps and mine.history == theirs.history
-        assert torch.equal(mine.ema, theirs.ema) and mine.ema is not theirs.ema
-    assert objects[1][0].steps == 76 and objects[1][1].history == [("start", 5), ("ema", 0.5)]
-
-
-def test_a_member_with_other_registered_objects_fails_the_heal_on_every_member(pair: list[Any]) -> None:
-    members = [Trainee(seed=0), Trainee(seed=0)]
-    objects: list[list[Any]] = [[Registered(3)], []]
-    outcomes = heal_with_registered(members, objects, pair)
-    assert all(isinstance(o, HealError) for o in outcomes), outcomes
-    assert "objects registered for checkpointing [], the source has ['Registered']" in str(outcomes[1])
-
-
-def test_a_member_whose_model_does_not_fit_fails_the_heal_on_every_member(pair: list[Any]) -> None:
-    members = [Trainee(seed=0), Trainee(seed=0, hidden=5)]
-    outcomes = in_both(
-        lambda r: heal(0, members[r].model, members[r].optimizer, members[r].scheduler, members[r].state, group=pair[r])
-    )
-    assert all(isinstance(o, HealError) for o in outcomes), outcomes
-    assert "does not fit" in str(outcomes[0]) and "another member" in str(outcomes[0])
-    assert "parameters differ from the source's" in str(outcomes[1])
-
-
-def test_a_source_that_never_comes_fails_the_heal_within_its_timeout(pair: list[Any]) -> None:
-    member = Trainee(seed=1)
-    started = time.monotonic()
-    with pytest.raises(HealError, match="description failed"):
-        heal(
-            0,
-            member.model,
-            member.optimizer,
-            member.scheduler,
-            member.state,
-            group=pair[1],
-            timeout=timedelta(seconds=0.5),
-        )
-    assert time.monotonic() - started < SETTLE_S
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    pair[0].broadcast([torch.zeros(1, dtype=torch.int64)], options).wait(timedelta(seconds=30))  # what it waited for

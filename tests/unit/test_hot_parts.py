@@ -1,4 +1,5 @@
-"""The pure parts of hot recovery: who heals whom, how the state is packed, when abandoned groups may go."""
+"""The pure parts of hot recovery: who heals whom, the state's fingerprint, how the state is packed and cut into
+pieces, when abandoned groups may go."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from typing import Any
 import torch
 
 from elasticd.worker.hot.backend import _RELEASE_MARGIN_S, AbandonedGroups
-from elasticd.worker.hot.heal import HealReport, _attach, _chunks, _detach, order_by_progress
+from elasticd.worker.hot.fingerprint import WIDTH, fingerprint
+from elasticd.worker.hot.heal import HealReport, _attach, _detach, order_by_progress
+from elasticd.worker.hot.stripes import Layout
+from elasticd.worker.sampler import DataPosition
+from elasticd.worker.state import TrainingState
 
 
 def test_the_member_with_the_most_steps_comes_first_and_ties_go_to_the_smaller_id() -> None:
@@ -31,16 +36,11 @@ def test_a_state_dict_comes_back_whole_after_its_tensors_travel_apart() -> None:
     assert back["param_groups"] == state["param_groups"] and isinstance(back["extra"], Pair)
 
 
-def test_tensors_travel_in_runs_of_one_dtype_within_the_chunk_size() -> None:
-    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.int64), torch.zeros(100), torch.zeros(1)]
-    chunks = list(_chunks(tensors, chunk_bytes=40))
-    assert [len(c) for c in chunks] == [2, 1, 1, 1]  # 16+16 bytes; a dtype change; 400 bytes alone; the rest
-    assert [t for c in chunks for t in c] == tensors
-
-
-def test_only_the_source_counts_bytes_sent_once_per_receiver() -> None:
-    assert HealReport(rank=0, source=0, world_size=3, payload_bytes=100, tensors=4, seconds=0.1).bytes_sent == 200
-    assert HealReport(rank=2, source=0, world_size=3, payload_bytes=100, tensors=4, seconds=0.1).bytes_sent == 0
+def test_a_report_says_whether_its_member_was_healed_and_what_it_moved() -> None:
+    receiver = HealReport(rank=2, source=0, world_size=3, receivers=(2,), received=90, sent=0, tensors=4, seconds=0.1)
+    sender = HealReport(rank=1, source=0, world_size=3, receivers=(2,), received=0, sent=40, tensors=4, seconds=0.1)
+    assert receiver.healed and not sender.healed
+    assert (receiver.bytes_moved, sender.bytes_moved) == (90, 40)
 
 
 def test_an_abandoned_group_is_kept_until_its_timeout_has_certainly_passed() -> None:
@@ -54,3 +54,99 @@ def test_an_abandoned_group_is_kept_until_its_timeout_has_certainly_passed() -> 
     assert abandoned.sweep() == 0 and len(abandoned) == 2
     now[0] += 2
     assert abandoned.sweep() == 1 and len(abandoned) == 1
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.norm, self.last = torch.nn.Linear(3, 5), torch.nn.BatchNorm1d(5), torch.nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.norm(self.first(x)))
+
+
+def member(seed: int = 0, steps: int = 2) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        model(torch.ones(4, 3)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def print_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainingState | None = None) -> list[int]:
+    return fingerprint(model, optimizer, None, [], state or TrainingState(step=2)).tolist()
+
+
+def test_members_with_the_same_history_have_the_same_fingerprint() -> None:
+    first, second = print_of(*member()), print_of(*member())
+    assert first == second and len(first) == WIDTH
+
+
+def test_one_bit_of_one_parameter_changes_the_fingerprint() -> None:
+    model, optimizer = member()
+    before = print_of(model, optimizer)
+    with torch.no_grad():
+        weight = model.first.weight.view(-1)
+        weight.view(torch.int32)[3] ^= 1
+    assert print_of(model, optimizer) != before
+
+
+def test_a_buffer_a_step_count_and_the_progress_each_change_it() -> None:
+    model, optimizer = member()
+    before = print_of(model, optimizer)
+    running_mean = model.norm.running_mean
+    assert running_mean is not None
+    running_mean[0] += 1.0
+    assert print_of(model, optimizer) != before
+    model, optimizer = member()
+    optimizer.state[model.first.weight]["step"] += 1
+    assert print_of(model, optimizer) != before
+    model, optimizer = member()
+    assert print_of(model, optimizer, TrainingState(step=2, data=DataPosition(0, 8))) != before
+
+
+def test_two_tensors_that_trade_values_do_not_look_the_same() -> None:
+    a, b = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        a.weight.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        b.weight.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
+    pair = torch.nn.Sequential(a, b)
+    first, second = torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        first.weight.copy_(b.weight)
+        second.weight.copy_(a.weight)
+    swapped = torch.nn.Sequential(first, second)
+    optimizer = torch.optim.SGD(pair.parameters(), lr=0.1)
+    other = torch.optim.SGD(swapped.parameters(), lr=0.1)
+    assert (
+        fingerprint(pair, optimizer, None, [], TrainingState()).tolist()
+        != fingerprint(swapped, other, None, [], TrainingState()).tolist()
+    )
+
+
+def test_the_layout_covers_every_byte_once_across_tensor_boundaries() -> None:
+    tensors = [torch.zeros(3), torch.zeros(5, dtype=torch.float64), torch.zeros(0), torch.zeros(7, dtype=torch.int16)]
+    layout = Layout.of(tensors, piece_bytes=16)
+    assert layout.total == 12 + 40 + 0 + 14 and layout.pieces == 5
+    covered: list[tuple[int, int]] = []
+    for piece in range(layout.pieces):
+        at = 0
+        for index, first, last, offset in layout.spans(piece):
+            assert offset == at  # each span follows the previous one in the piece
+            at += last - first
+            covered += [(index, b) for b in range(first, last)]
+        assert at == layout.piece_size(piece)
+    assert covered == [(i, b) for i, size in enumerate(layout.sizes) for b in range(size)]
+    assert layout.piece_size(4) == 66 - 64
+
+
+def test_a_piece_size_that_is_not_a_multiple_of_eight_is_refused() -> None:
+    try:
+        Layout.of([torch.zeros(4)], piece_bytes=12)
+    except ValueError as exc:
+        assert "multiple of 8" in str(exc)
+    else:
+        raise AssertionError("piece_bytes=12 was accepted")

@@ -1,28 +1,35 @@
-"""Healing: every member of a new group takes the training state of one source member, over that group.
+"""Healing: the members of a new group whose state is not the source's take it, from every member whose state is.
 
 After a failure the survivors may be a step apart (a peer can die after one survivor's last all-reduce completed and
-before another's did); a joiner has only freshly initialised objects. :func:`heal` makes them all equal to the
-source (:func:`order_by_progress` puts the member with the most committed steps first, to be rank 0 and the source):
-parameters and buffers of the prepared model, the optimizer's and the scheduler's state dicts, the objects the
-script registered for checkpointing (as a restart loads them: ``registered.py``) and the
+before another's did); a joiner has only freshly initialised objects. The source is the member with the most
+committed steps (:func:`order_by_progress` makes it rank 0). :func:`heal` makes every member equal to it: parameters
+and buffers of the prepared model, the optimizer's and the scheduler's state dicts, the objects the script
+registered for checkpointing (as a restart loads them: ``registered.py``) and the
 :class:`~elasticd.worker.state.TrainingState` (step count, data position, skipped batches). RNG streams are not
 copied: they are per rank, and the worker library derives them from (seed, step, rank) after any resume.
 
-The transfer is two small broadcasts (the length and the pickled description: state-dict structure, tensor shapes
-and dtypes, training state, the registered objects' ``torch.save`` bytes; pickled as torch's own
-``broadcast_object_list`` does, between members of one job),
-one agreement that every member's objects fit the source's (so that all members fail together instead of one
-waiting on the others), then the tensors packed into few flat buffers of one dtype each. Every collective has a
-bounded wait: a member that dies or hangs during the heal raises :class:`~elasticd.worker.hot.errors.HealError` on
-the others (fall back to the cold path) instead of blocking them until the group's timeout. On NCCL (unverified, no
-GPU here) the transfer buffers live on the group's GPU (``backend.collective_device``).
+What moves, and from where:
+1. every member's fingerprint (``fingerprint.py``), in one all-gather. Members whose fingerprint equals the source's
+   are **senders**, the others **receivers**. No receiver (a node loss, where the survivors stand at the same step
+   boundary): nothing more happens, not a byte of state moves;
+2. the source sends each receiver the pickled description (state-dict structure, tensor shapes and dtypes, training
+   state, the registered objects' ``torch.save`` bytes; pickled as torch's own ``broadcast_object_list`` does,
+   between members of one job), point to point;
+3. one agreement (all-reduce) that every receiver's objects fit the source's, so that all members fail together
+   instead of one waiting on the others;
+4. the tensors in stripes from all senders at once, each piece checked on arrival (``stripes.py``).
+
+Every operation has a bounded wait: a member that dies or hangs during the heal raises
+:class:`~elasticd.worker.hot.errors.HealError` on the others (fall back to the cold path) instead of blocking them
+until the group's timeout. On NCCL (unverified, no GPU here) the transfer buffers live on the group's GPU
+(``backend.collective_device``).
 """
 
 from __future__ import annotations
 
 import pickle
 import time
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -32,14 +39,16 @@ import torch.distributed as dist
 
 from elasticd.worker.hot.backend import collective_device
 from elasticd.worker.hot.errors import HealError
+from elasticd.worker.hot.fingerprint import fingerprint
 from elasticd.worker.hot.registered import capture, restore
+from elasticd.worker.hot.stripes import DESCRIPTION_TAG, Layout, receive_stripes, send_stripes
 from elasticd.worker.state import TrainingState
 
 # One collective of the heal may take this long before the member is given up on; a 600 MB state took 2.5 s on
 # loopback gloo here, so this is far above a healthy transfer and far below the group's timeout.
 DEFAULT_HEAL_TIMEOUT = timedelta(minutes=2)
-# Tensors are packed into flat buffers of at most this many bytes (a single larger tensor gets a buffer of its own):
-# few collectives, and a bounded extra copy of the state in memory at a time.
+# The tensors' bytes travel in pieces of at most this many bytes: few messages, and a bounded extra copy of the state
+# in memory at a time (one piece on a sender, one per sender on a receiver).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 K = TypeVar("K", bound=Hashable)
@@ -47,19 +56,26 @@ K = TypeVar("K", bound=Hashable)
 
 @dataclass(frozen=True, slots=True)
 class HealReport:
-    """What one member's heal moved; the source's ``bytes_sent`` is the figure for ``elasticd_heal_bytes_total``."""
+    """What one member's heal moved. ``received``/``sent`` count this member's bytes on the wire (description and
+    pieces, their padding and trailers); their sum is its share of ``elasticd_heal_bytes_total``."""
 
     rank: int
     source: int
     world_size: int
-    payload_bytes: int  # what each receiver got: the description plus every tensor
+    receivers: tuple[int, ...]  # the ranks whose fingerprint differed from the source's: the only ones healed
+    received: int
+    sent: int
     tensors: int
     seconds: float
 
     @property
-    def bytes_sent(self) -> int:
-        """The payload once per receiver, on the source (whatever tree the backend used); 0 on the others."""
-        return self.payload_bytes * (self.world_size - 1) if self.rank == self.source else 0
+    def healed(self) -> bool:
+        """This member took the source's state."""
+        return self.rank in self.receivers
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.received + self.sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +108,9 @@ def heal(
     ``state`` is this member's training state (the one sent, on the source); the source's is returned. ``scheduler``
     may be None, on every member alike. ``registered``: the objects registered for checkpointing
     (``registered_objects(accelerator)``), loaded with the source's state as a restart would load them. ``group``
-    defaults to the current default group; ``source`` is a rank in it. Gradients are cleared on every member: the
-    next step starts from none.
+    defaults to the current default group; ``source`` is a rank in it. Only members whose fingerprint differs from
+    the source's receive anything; every member whose fingerprint equals it sends a stripe of the tensors. Gradients
+    are cleared on every member: the next step starts from none.
     """
     started = clock()
     if group is None:
@@ -103,132 +120,143 @@ def heal(
     rank, world_size = group.rank(), group.size()
     if not 0 <= source < world_size:
         raise ValueError(f"source rank {source} is outside the world of {world_size}")
-    link = _Link(group, source, timeout)
-    model_tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
-    own = _describe(model, optimizer, scheduler, registered)
     if world_size == 1:
-        return state, HealReport(rank, source, world_size, 0, 0, clock() - started)
-
-    if rank == source:
+        return state, HealReport(rank, source, world_size, (), 0, 0, 0, clock() - started)
+    link = _Link(group, source, timeout)
+    prints = link.gather(fingerprint(model, optimizer, scheduler, registered, state))
+    receivers = tuple(r for r in range(world_size) if not torch.equal(prints[r], prints[source]))
+    senders = [r for r in range(world_size) if r not in receivers]
+    received = sent = count = 0
+    if receivers:
+        own = _describe(model, optimizer, scheduler, registered)
         state_tensors: list[torch.Tensor] = []
-        description = {
-            **own,
-            "training": state.to_meta(),
-            "optimizer": _detach(optimizer.state_dict(), state_tensors),
-            "scheduler": None if scheduler is None else _detach(scheduler.state_dict(), state_tensors),
-            "registered_state": capture(registered),
-            "state_tensors": [(tuple(t.shape), t.dtype) for t in state_tensors],
-        }
-        blob = link.bytes(pickle.dumps(description))
-    else:
-        blob = link.bytes(None)
-        description = pickle.loads(blob)
-        state_tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in description["state_tensors"]]
-    mismatch = "" if rank == source else _mismatch(own, description)
-    link.agree(mismatch)
-
-    sources = [t.detach() for t in model_tensors] + state_tensors
-    payload = len(blob) + 8 + link.tensors(sources, chunk_bytes)  # 8: the length sent first
-    if rank != source:
-        optimizer.load_state_dict(_attach(description["optimizer"], state_tensors))
-        if scheduler is not None:
-            scheduler.load_state_dict(_attach(description["scheduler"], state_tensors))
-        try:
-            restore(registered, description["registered_state"])
-        except Exception as exc:  # the types agreed: an object refused its own kind of state
-            raise HealError(f"loading the objects registered for checkpointing failed: {exc}", source=source) from exc
-        state = TrainingState.from_meta(description["training"])
+        description: dict[str, Any] | None = None
+        if rank in receivers:
+            blob = link.recv_bytes(source)
+            received += len(blob) + 8  # 8: the length sent first
+            description = pickle.loads(blob)
+            state_tensors = [torch.empty(shape, dtype=dtype) for shape, dtype in description["state_tensors"]]
+        else:
+            # a sender's own state is the source's (equal fingerprints): its tensors are in the same order
+            optimizer_state = _detach(optimizer.state_dict(), state_tensors)
+            scheduler_state = None if scheduler is None else _detach(scheduler.state_dict(), state_tensors)
+            if rank == source:
+                blob = pickle.dumps(
+                    {
+                        **own,
+                        "training": state.to_meta(),
+                        "optimizer": optimizer_state,
+                        "scheduler": scheduler_state,
+                        "registered_state": capture(registered),
+                        "state_tensors": [(tuple(t.shape), t.dtype) for t in state_tensors],
+                    }
+                )
+                sent += link.send_bytes(blob, receivers)
+        link.agree("" if description is None else _mismatch(own, description), "the state does not fit")
+        model_tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+        tensors = [t.detach() for t in model_tensors] + state_tensors
+        layout = Layout.of(tensors, chunk_bytes)
+        count = len(tensors)
+        problem = ""
+        if description is None:
+            sent += send_stripes(link, tensors, layout, senders, rank, receivers)
+        else:
+            try:
+                received += receive_stripes(link, tensors, layout, senders)
+            except HealError as exc:  # a piece that failed its checksum, a sender gone: all members learn it
+                problem = str(exc)
+        link.agree(problem, "a receiver did not get the state")
+        if description is not None:
+            state = _load(description, state_tensors, optimizer, scheduler, registered, source)
     for parameter in model.parameters():
         parameter.grad = None
-    count = len(model_tensors) + len(state_tensors)
-    return state, HealReport(rank, source, world_size, payload, count, clock() - started)
+    return state, HealReport(rank, source, world_size, receivers, received, sent, count, clock() - started)
+
+
+def _load(
+    description: Mapping[str, Any],
+    state_tensors: list[torch.Tensor],
+    optimizer: Any,
+    scheduler: Any,
+    registered: Sequence[Any],
+    source: int,
+) -> TrainingState:
+    """A receiver takes the source's optimizer, scheduler and registered objects' state; the source's progress."""
+    optimizer.load_state_dict(_attach(description["optimizer"], state_tensors))
+    if scheduler is not None:
+        scheduler.load_state_dict(_attach(description["scheduler"], state_tensors))
+    try:
+        restore(registered, description["registered_state"])
+    except Exception as exc:  # the types agreed: an object refused its own kind of state
+        raise HealError(f"loading the objects registered for checkpointing failed: {exc}", source=source) from exc
+    return TrainingState.from_meta(description["training"])
 
 
 class _Link:
-    """The heal's collectives over one group, each with a bounded wait."""
+    """The heal's operations over one group, each with a bounded wait (``stripes.Link`` and the collectives)."""
 
     def __init__(self, group: dist.ProcessGroup, source: int, timeout: timedelta) -> None:
-        # Collectives on the group object (what dist.broadcast calls underneath): ranks are the group's own, and
+        # Operations on the group object (what dist.broadcast calls underneath): ranks are the group's own, and
         # the group need not be in torch's registry.
         self.group = group
         self.source = source
-        self.is_source = group.rank() == source
         self.timeout = timeout
         self.device = collective_device(group)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def wait(self, work: Any, what: str) -> None:
         try:
             work.wait(self.timeout)
         except Exception as exc:
             raise HealError(f"{what} failed: {exc}", source=self.source) from exc
 
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+    def _issue(self, issue: Callable[[], Any], what: str) -> Any:
         try:
-            options = dist.BroadcastOptions()
-            options.rootRank = self.source
-            work = self.group.broadcast([tensor], options)
+            return issue()
         except Exception as exc:
             raise HealError(f"{what} failed: {exc}", source=self.source) from exc
-        self._wait(work, what)
 
-    def bytes(self, data: bytes | None) -> bytes:
-        size = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=self.device)
-        self._broadcast(size, "sending the state's description")
-        buffer = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-            if data is not None
-            else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        )
-        self._broadcast(buffer, "sending the state's description")
-        return data if data is not None else buffer.cpu().numpy().tobytes()
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        return self._issue(lambda: self.group.send([tensor], peer, tag), what)
 
-    def agree(self, mismatch: str) -> None:
-        """Every member learns whether any member cannot take the source's state; all raise together if so."""
-        flag = torch.tensor([1 if mismatch else 0], dtype=torch.int32, device=self.device)
-        try:
-            options = dist.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
-            work = self.group.allreduce([flag], options)
-        except Exception as exc:
-            raise HealError(f"agreeing on the state's shape failed: {exc}", source=self.source) from exc
-        self._wait(work, "agreeing on the state's shape")
+    def recv(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> Any:
+        return self._issue(lambda: self.group.recv([tensor], peer, tag), what)
+
+    def gather(self, value: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``value`` (same shape everywhere), by rank."""
+        what = "agreeing on the state's fingerprint"
+        mine = value.to(self.device)
+        out = [torch.empty_like(mine) for _ in range(self.group.size())]
+        self.wait(self._issue(lambda: self.group.allgather([out], [mine]), what), what)
+        return [t.cpu() for t in out]
+
+    def send_bytes(self, data: bytes, receivers: Sequence[int]) -> int:
+        """Send ``data`` (its length first) to every receiver. Bytes sent."""
+        what = "sending the state's description"
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+        works = [self.send(size, r, DESCRIPTION_TAG, what) for r in receivers]
+        works += [self.send(buffer, r, DESCRIPTION_TAG + 1, what) for r in receivers]
+        for work in works:
+            self.wait(work, what)
+        return (len(data) + 8) * len(receivers)
+
+    def recv_bytes(self, sender: int) -> bytes:
+        what = "receiving the state's description"
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self.wait(self.recv(size, sender, DESCRIPTION_TAG, what), what)
+        buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self.wait(self.recv(buffer, sender, DESCRIPTION_TAG + 1, what), what)
+        return buffer.cpu().numpy().tobytes()
+
+    def agree(self, problem: str, verdict: str) -> None:
+        """Every member learns whether any member has a ``problem``; all raise together (``verdict``) if so."""
+        what = f"agreeing on the heal ({verdict}?)"
+        flag = torch.tensor([1 if problem else 0], dtype=torch.int32, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self.wait(self._issue(lambda: self.group.allreduce([flag], options), what), what)
         if flag.item():
-            detail = mismatch or "another member's objects do not match this one's"
-            raise HealError(f"the state does not fit: {detail}", source=self.source)
-
-    def tensors(self, tensors: list[torch.Tensor], chunk_bytes: int) -> int:
-        """Broadcast ``tensors`` in flat buffers; receivers get them written into the same tensors. Bytes moved."""
-        moved = 0
-        for chunk in _chunks(tensors, chunk_bytes):
-            dtype = chunk[0].dtype
-            if self.is_source:
-                flat = torch.cat([t.reshape(-1).to(self.device) for t in chunk])
-            else:
-                flat = torch.empty(sum(t.numel() for t in chunk), dtype=dtype, device=self.device)
-            self._broadcast(flat, f"sending {len(chunk)} tensors of {dtype}")
-            moved += flat.numel() * flat.element_size()
-            if not self.is_source:
-                offset = 0
-                with torch.no_grad():
-                    for target in chunk:
-                        target.copy_(flat[offset : offset + target.numel()].view(target.shape))
-                        offset += target.numel()
-        return moved
-
-
-def _chunks(tensors: list[torch.Tensor], chunk_bytes: int) -> Iterable[list[torch.Tensor]]:
-    """Consecutive runs of one dtype, each at most ``chunk_bytes`` unless a single tensor is larger."""
-    chunk: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if chunk and (tensor.dtype != chunk[0].dtype or size + nbytes > chunk_bytes):
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(tensor)
-        size += nbytes
-    if chunk:
-        yield chunk
+            raise HealError(f"{verdict}: {problem or 'another member reported it'}", source=self.source)
 
 
 def _describe(model: torch.nn.Module, optimizer: Any, scheduler: Any, registered: Sequence[Any]) -> dict[str, Any]:

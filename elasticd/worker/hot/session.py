@@ -323,7 +323,7 @@ class HotSession:
             self.membership.forget(target - 1)
             self._publish_group(nodes)
         return Recovered(
-            decision, rank, world, healed, plan, report.payload_bytes, detected_at, lost_nodes, tuple(sorted(nodes))
+            decision, rank, world, healed, plan, report.bytes_moved, detected_at, lost_nodes, tuple(sorted(nodes))
         )
 
     def _decide(self, target: int, reason: str, plan_for: Callable[[int], BatchPlan | None] | None = None) -> Epoch:

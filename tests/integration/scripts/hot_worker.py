@@ -167,7 +167,7 @@ class Worker:
         self.event("reformed", why=why, seconds=formation.seconds, method=formation.method)
         self.state, report = heal(source, self.model, self.optimizer, self.scheduler, self.state)
         self.event(
-            "healed", why=why, bytes_sent=report.bytes_sent, payload=report.payload_bytes, seconds=report.seconds
+            "healed", why=why, bytes_sent=report.sent, payload=report.received, seconds=report.seconds
         )
         self.set_plan()
         self.first_after_change = True
