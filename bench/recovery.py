@@ -55,12 +55,14 @@ workers started, worker ready, first step), from the daemons' JSON events (elast
 (torchrun, run with ``LOGLEVEL=INFO``).
 
     python bench/recovery.py [--trials 3] [--only SYSTEM ...] [--scenarios SCENARIO ...] [--netns] [--json OUT]
-                             [--logs DIR]
+                             [--etcd-profile fast|default] [--logs DIR]
 
 ``--netns`` runs every node of a job on a host of its own (``bench/hosts.py``: a network namespace per node, on a
 data and a control network; etcd on the control network, torchrun's store on n0's data address, gloo on the data
 network) instead of 127.0.0.1; its scenarios are ``node_loss`` and ``node_isolated`` unless ``--scenarios`` says
-otherwise, and its results file is tagged ``-netns``.
+otherwise, and its results file is tagged ``-netns``. ``--etcd-profile default`` runs elasticd's etcd at etcd's own
+heartbeat and election timeout (100 ms, 1 s; etcd's shortest lease is then 2 s) instead of the embedded etcd's
+(25 ms, 250 ms): what a production etcd gives the liveness design; its results file is tagged ``-etcddefaults``.
 
 The raw results (commit, machine, versions, every sample, the summary) go to ``bench/results/recovery-<short
 commit>[-netns].json`` unless ``--json`` says otherwise (``-dirty`` is appended when ``elasticd/`` or ``examples/``
@@ -139,6 +141,9 @@ STEADY_TIMEOUT_S = 120.0
 # Before each fault or join, wait up to this long for other jobs on the machine to go quiet (s); --quiet-timeout.
 QUIET_TIMEOUT_S = 120.0
 _quiet_timeout_s = QUIET_TIMEOUT_S
+# --etcd-profile: the single-member etcd's timing (EmbeddedEtcd's fast_elections, or etcd's own defaults)
+ETCD_PROFILES = ("fast", "default")
+_etcd_profile = "fast"
 # A sample during which other processes used more than this many cores is marked as contended.
 CONTENDED_CORES = 0.25
 # The first torchrun node binds the c10d rendezvous store within this (s).
@@ -845,7 +850,12 @@ def start_job(
             endpoint = _etcd_cluster(stack, placement, trial_dir / "etcd")
         else:
             # fsync on, as a production etcd runs: the rendezvous writes pay their real cost.
-            etcd = EmbeddedEtcd(data_dir=trial_dir / "etcd", host=placement.etcd_host, unsafe_no_fsync=False)
+            etcd = EmbeddedEtcd(
+                data_dir=trial_dir / "etcd",
+                host=placement.etcd_host,
+                unsafe_no_fsync=False,
+                fast_elections=_etcd_profile == "fast",
+            )
             etcd.start(ready_timeout_s=30.0)
             stack.callback(etcd.stop)
             endpoint = etcd.endpoint
@@ -1094,6 +1104,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "node_loss and node_isolated",
     )
     p.add_argument(
+        "--etcd-profile",
+        choices=ETCD_PROFILES,
+        default="fast",
+        help="fast (default): the embedded etcd's 25 ms heartbeat and 250 ms election timeout, as elasticd runs it; "
+        "default: etcd's own 100 ms and 1 s, as a production etcd runs (its shortest lease is then 2 s, not 1 s); "
+        "the results file is tagged -etcddefaults (the 3-member etcd of node_loss_etcd_leader always runs etcd's own)",
+    )
+    p.add_argument(
         "--json",
         type=Path,
         help="where to write every sample and the summary (default: bench/results/recovery-<commit>[-netns].json)",
@@ -1130,8 +1148,9 @@ def netns_unavailable() -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    global _quiet_timeout_s
+    global _quiet_timeout_s, _etcd_profile
     _quiet_timeout_s = args.quiet_timeout
+    _etcd_profile = args.etcd_profile
     systems = [sy for sy in SYSTEMS if sy in args.only] if args.only else list(SYSTEMS)
     scenarios = [Scenario(sc) for sc in args.scenarios] if args.scenarios else None
     workdir = args.logs or Path(tempfile.mkdtemp(prefix="elasticd-bench-recovery-"))
@@ -1158,7 +1177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = summarize(samples)
     print(render(rows))
     failed = any(s.seconds is None for s in samples)
-    out = args.json or results_path("recovery", revision, tag="netns" if args.netns else "")
+    tag = ("netns" if args.netns else "") + ("etcddefaults" if args.etcd_profile == "default" else "")
+    out = args.json or results_path("recovery", revision, tag=tag)
     report = {
         **report_header("recovery.py", argv, revision),
         "config": {
@@ -1170,6 +1190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for w in (SMALL, LARGE)
             },
             "max_restarts": MAX_RESTARTS,
+            "etcd_profile": args.etcd_profile,
             "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
             "min_nodes": MIN_NODES,
             "max_nodes": MAX_NODES,

@@ -187,7 +187,12 @@ def _recovery_setup(config: dict[str, Any]) -> str:
     restarts = f"--max-restarts {budget} for every system" if budget is not None else "restart budget not recorded"
     # --netns: the hosts are namespaces of one machine (bench/hosts.py)
     where = f"one machine ({config['network']})" if "network" in config else "one host"
-    return f"3 node processes on {where}, {backend}; {state}; {restarts}"
+    etcd = ""
+    if config.get("etcd_profile") == "default":
+        etcd = "; elasticd's etcd at etcd's own timing (100 ms heartbeat, 1 s election timeout: 2 s shortest lease)"
+    elif config.get("etcd_profile") == "fast":
+        etcd = "; elasticd's etcd with the embedded etcd's fast elections (25 ms heartbeat, 250 ms election timeout)"
+    return f"3 node processes on {where}, {backend}; {state}; {restarts}{etcd}"
 
 
 def _bytes(n: int) -> str:

@@ -109,7 +109,9 @@ class EmbeddedEtcd:
 
     ``client_port``/``peer_port`` 0 pick free ports once; :meth:`restart` keeps the ports and the data dir. A
     data dir created here (``data_dir=None``) is removed by :meth:`stop`. ``auth=True``: only clients with
-    :attr:`access` (user ``root``, the password in :attr:`password_file`) get in; the peer port is a Unix socket."""
+    :attr:`access` (user ``root``, the password in :attr:`password_file`) get in; the peer port is a Unix socket.
+    ``fast_elections=False`` runs etcd's own heartbeat and election timeout (100 ms, 1 s), as a production etcd
+    does (bench/recovery.py ``--etcd-profile default``)."""
 
     def __init__(
         self,
@@ -121,8 +123,10 @@ class EmbeddedEtcd:
         log_path: Path | None = None,
         binary: str | None = None,
         auth: bool = False,
+        fast_elections: bool = True,
     ) -> None:
         self._requested_data_dir = data_dir
+        self._fast_elections = fast_elections
         self._data_dir: Path | None = data_dir
         self._owns_data_dir = False
         self._host = host
@@ -266,11 +270,12 @@ class EmbeddedEtcd:
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster={_MEMBER_NAME}={peer_url}",
             "--initial-cluster-state=new",
-            # A single member has no peer to disagree with, so a short election (ms) is safe; it makes a start
-            # or restart take ~0.2 s instead of ~1 s (the first election waits a whole election timeout).
-            f"--heartbeat-interval={_HEARTBEAT_MS}",
-            f"--election-timeout={_ELECTION_MS}",
         ]
+        if self._fast_elections:
+            # A single member has no peer to disagree with, so a short election (ms) is safe; it makes a start
+            # or restart take ~0.2 s instead of ~1 s (the first election waits a whole election timeout). It also
+            # lowers etcd's shortest lease from 2 s to 1 s (1.5 election timeouts, rounded up: agent/node_lease.py).
+            command += [f"--heartbeat-interval={_HEARTBEAT_MS}", f"--election-timeout={_ELECTION_MS}"]
         if self._unsafe_no_fsync:
             command.append("--unsafe-no-fsync")
         if self._auth:

@@ -80,6 +80,23 @@ def test_stop_keeps_a_data_dir_it_was_given(tmp_path: Path) -> None:
     assert server.log_path == tmp_path / "d" / "etcd.log"
 
 
+def test_fast_elections_are_the_embedded_default_and_can_be_turned_off(tmp_path: Path) -> None:
+    """``fast_elections=False``: etcd's own heartbeat and election timeout, the production timing the benchmark's
+    ``--etcd-profile default`` measures; the server still starts and serves."""
+    for fast, expected in ((True, {"--heartbeat-interval=25", "--election-timeout=250"}), (False, set())):
+        with EmbeddedEtcd(data_dir=tmp_path / str(fast), unsafe_no_fsync=True, fast_elections=fast) as server:
+            assert server.pid is not None
+            arguments = set(Path(f"/proc/{server.pid}/cmdline").read_text().split("\0"))
+            timing = {a for a in arguments if a.startswith(("--heartbeat-interval", "--election-timeout"))}
+            assert timing == expected
+            client = _connect(server)
+            try:
+                client.put("k", "v")
+                assert client.get("k") is not None
+            finally:
+                client.close()
+
+
 def test_output_goes_to_the_log_file_not_to_our_stdout(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "logs" / "etcd.log"
     with EmbeddedEtcd(data_dir=tmp_path / "d", unsafe_no_fsync=True, log_path=log):

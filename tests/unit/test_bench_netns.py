@@ -163,3 +163,11 @@ def test_a_netns_result_is_tagged_in_its_file_name_and_its_table_says_where_the_
     table = recovery_table(results)
     assert "3 node processes on one machine (each node in its own network namespace" in table.splitlines()[0]
     assert "| node cut off (data and control links, 3 -> 2) | **1.10** (1.10) |" in table
+
+
+def test_the_etcd_profile_is_fast_unless_asked_and_names_the_results_file(capsys: pytest.CaptureFixture[str]) -> None:
+    assert recovery.parse_args([]).etcd_profile == "fast"
+    assert recovery.parse_args(["--etcd-profile", "default"]).etcd_profile == "default"
+    with pytest.raises(SystemExit):
+        recovery.parse_args(["--etcd-profile", "slow"])
+    assert "invalid choice: 'slow'" in capsys.readouterr().err

@@ -166,9 +166,7 @@ class Worker:
         formation = self.reformer.reform(store, rank, world, plan, previous_ranks=previous)
         self.event("reformed", why=why, seconds=formation.seconds, method=formation.method)
         self.state, report = heal(source, self.model, self.optimizer, self.scheduler, self.state)
-        self.event(
-            "healed", why=why, bytes_sent=report.sent, payload=report.received, seconds=report.seconds
-        )
+        self.event("healed", why=why, bytes_sent=report.sent, payload=report.received, seconds=report.seconds)
         self.set_plan()
         self.first_after_change = True
         self.changes += 1
