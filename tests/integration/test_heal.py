@@ -54,7 +54,10 @@ def trained(count: int, steps: int = 3) -> list[Trainee]:
     return members
 
 
-def heal_all(members: list[Trainee], groups: list[Any], **kwargs: Any) -> list[Any]:
+def heal_all(
+    members: list[Trainee], groups: list[Any], registered: list[list[Any]] | None = None, **kwargs: Any
+) -> list[Any]:
+    """Every member heals from rank 0 on its own thread (``registered``: each member's registered objects)."""
     return on_every_rank(
         lambda r: heal(
             0,
@@ -62,6 +65,7 @@ def heal_all(members: list[Trainee], groups: list[Any], **kwargs: Any) -> list[A
             members[r].optimizer,
             members[r].scheduler,
             members[r].state,
+            registered=registered[r] if registered is not None else (),
             group=groups[r],
             **kwargs,
         ),
@@ -197,19 +201,7 @@ def test_a_registered_tensor_that_differs_makes_its_member_a_receiver() -> None:
 
 
 def heal_registered(members: list[Trainee], objects: list[list[Any]]) -> list[Any]:
-    groups = gloo_group(len(members))
-    return on_every_rank(
-        lambda r: heal(
-            0,
-            members[r].model,
-            members[r].optimizer,
-            members[r].scheduler,
-            members[r].state,
-            registered=objects[r],
-            group=groups[r],
-        ),
-        len(members),
-    )
+    return heal_all(members, gloo_group(len(members)), objects)
 
 
 def test_a_member_with_other_registered_objects_fails_the_heal_on_every_member() -> None:
