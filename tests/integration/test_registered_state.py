@@ -71,6 +71,10 @@ def test_a_step_counter_and_an_ema_registered_for_checkpointing_follow_kill_join
         # suite, and 90 s ran out once (CI)
         c.wait_step(lambda s: s["world_size"] == 3 and s["step"] > 12, timeout_s=150, what="3 workers again")
         c.nodes[by_rank[0]].wait_event("reconfigured", 60, where=lambda e: e["reason"] == "join")
+        # the joiner's own first step at world 3 (its daemon's event, from its worker's beat): a worker stopped
+        # before it is still in its first step, judged by the start-up allowance, and its daemon never diagnoses
+        # it (CI: the others, left alone, convicted the group's rank 0)
+        joiner.wait_event("reconfigured", 60, where=lambda e: e["reason"] == "join" and "node_id" in e)
         hung_pid = joiner.worker_pids()[-1]
         os.kill(hung_pid, signal.SIGSTOP)  # 3. 3 -> 2 -> 3
         diagnosed = joiner.wait_event("hang_diagnosed", timeout_s=120)
