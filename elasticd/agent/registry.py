@@ -4,6 +4,11 @@ Each daemon owns its record. The lease makes liveness automatic: a node killed w
 registry ``ttl_s`` seconds later, with nobody cleaning up. A keep-alive thread refreshes the lease every second and,
 when the lease was lost (etcd restarted, a long partition), grants a new one and writes the record again.
 
+Once the keep-alive runs, :meth:`NodeRegistry.update` only changes the record in memory and wakes that thread to
+write it: an update comes from the supervisor loop and from the beat receiver's thread, and neither may wait on etcd
+(seen: a beat thread held ~5 s by a write while etcd regained quorum processed the worker's ``reconfigured`` beat
+too late, and the daemon then waited out torch's 5-minute exit barrier for a node the group had already let go).
+
 A second daemon with the same node id is told apart from a restart of a dead one (:class:`Holder`): on the same
 machine at once, from the process identity in the record (``elasticd/procid.py``); elsewhere by watching the
 holder's lease, which a live holder refreshes every second.
@@ -78,6 +83,7 @@ class NodeRegistry:
             **procid.identity(),  # boot_id, pid_ns, pid_start: lets a daemon on this machine tell if we still run
         }
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by update() and release(): the keep-alive writes the record now
         self._thread: threading.Thread | None = None
         self._log = get_logger(node_id=node_id)
 
@@ -118,16 +124,25 @@ class NodeRegistry:
             time.sleep(_CLAIM_POLL_S)
 
     def update(self, **fields: Any) -> None:
-        """Merge ``fields`` into the record and write it (errors are logged: the keep-alive rewrites it later)."""
+        """Merge ``fields`` into the record and have it written: by the keep-alive thread once it runs (this returns
+        at once), else here. A failed write is logged and retried at the next refresh."""
         with self._lock:
             self._record.update(fields)
-            lease = self._lease
+            lease, writer = self._lease, self._thread
         if lease is None:
             return
+        if writer is not None:
+            self._wake.set()
+            return
+        self._write(lease)
+
+    def _write(self, lease: int) -> bool:
         try:
             self._client.put(self._key, self._encode(), lease_id=lease)
         except EtcdError as exc:
             self._log.warning("registry_update_failed", error=str(exc))
+            return False
+        return True
 
     def note(self, kind: str, **fields: Any) -> None:
         """Add a change (a restart, a re-formation in place, a fallback) to the record's ``recent``, newest last and
@@ -143,10 +158,21 @@ class NodeRegistry:
 
     def _keepalive(self) -> None:
         interval_s = min(self._ttl_s / 3, REFRESH_INTERVAL_S)
-        while not self._stop.wait(interval_s):
+        refresh_at = time.monotonic() + interval_s
+        unwritten = False  # an update whose write failed: written again with the next refresh
+        while True:
+            woken = self._wake.wait(max(refresh_at - time.monotonic(), 0.0))
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            with self._lock:
+                lease = self._lease
+            if (woken or unwritten) and lease is not None:
+                unwritten = not self._write(lease)
+            if time.monotonic() < refresh_at:
+                continue
+            refresh_at = time.monotonic() + interval_s
             try:
-                with self._lock:
-                    lease = self._lease
                 if lease is not None and self._client.refresh_lease(lease):
                     continue
                 # The lease is gone (etcd restarted or we were cut off longer than the TTL): claim anew.
@@ -154,6 +180,7 @@ class NodeRegistry:
                 with self._lock:
                     self._lease = new_lease
                 self._client.put(self._key, self._encode(), lease_id=new_lease)
+                unwritten = False
                 self._log.info("registry_lease_renewed", lease=new_lease)
             except EtcdError as exc:
                 self._log.warning("registry_keepalive_failed", error=str(exc))
@@ -161,6 +188,7 @@ class NodeRegistry:
     def release(self) -> None:
         """Stop the keep-alive and remove the record (revoking the lease deletes it at once)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         with self._lock:
