@@ -64,7 +64,12 @@ def test_an_update_returns_while_etcd_holds_the_write_and_the_newest_record_land
     registry = claimed(etcd)
     try:
         etcd.release.clear()  # etcd stops answering
-        updater = threading.Thread(target=lambda: [registry.update(epoch=1), registry.update(epoch=2, world_size=2)])
+
+        def updates() -> None:
+            registry.update(epoch=1)
+            registry.update(epoch=2, world_size=2)
+
+        updater = threading.Thread(target=updates)
         updater.start()
         updater.join(10)
         assert not updater.is_alive(), "update() waited on etcd"
