@@ -60,6 +60,11 @@ class Bid:
         )
 
 
+# The step a member bids with after a heal failed on it (pieces may have been written into its tensors): it ranks after
+# every member that holds a state, and an epoch whose source bid it has no member to heal from.
+UNHEALED_STEP = -1
+
+
 @dataclass(frozen=True, slots=True)
 class Epoch:
     number: int

@@ -8,6 +8,8 @@
                                   in epoch 1 only (without epoch=: in every epoch): bad data, wherever it lands
     kill@step=30,rank=0           rank 0 kills itself with SIGKILL when step 30 completes
     kill@checkpoint=20,rank=0     rank 0 kills itself while writing the checkpoint of step 20
+    kill@heal=1,rank=0            rank 0 kills itself in its first heal in place (counted from its start), as it is
+                                  about to send its first piece of the state: a sender dying mid-heal
     freeze@commit=20,rank=0       rank 0 stops its daemon and itself (SIGSTOP) with the checkpoint of step 20 durable,
                                   just before asking the fence to commit it (a node frozen mid-commit: a stale writer)
     sleep@step=12,rank=1          rank 1 stops forever before step 12 (a hang inside the next collective)
@@ -114,7 +116,12 @@ class FaultInjector:
                 time.sleep(random.Random(self.rank * 1_000_003 + step).uniform(0, f.seconds))
 
     def after_step(self, step: int) -> None:
-        if any(f.covers(step) for f in self._of("kill") if f.checkpoint is None):
+        if any(f.covers(step) for f in self._of("kill") if f.checkpoint is None and "heal" not in f.extra):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def before_heal_piece(self, heal: int) -> None:
+        """Called before this member sends a piece of the state in its ``heal``-th heal (1 = the first)."""
+        if any(f.extra.get("heal") == str(heal) for f in self._of("kill")):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def during_checkpoint(self, step: int) -> None:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from elasticd.worker.batching import BatchPlan
     from elasticd.worker.beats import BeatClient
     from elasticd.worker.coordination import Coordinator
+    from elasticd.worker.faults import FaultInjector
     from elasticd.worker.saver import CheckpointSaver
     from elasticd.worker.settings import WorkerSettings
     from elasticd.worker.state import TrainingState
@@ -72,6 +73,8 @@ class RunPort(Protocol):
     def coordinator(self) -> Coordinator: ...
     @property
     def saver(self) -> CheckpointSaver: ...
+    @property
+    def faults(self) -> FaultInjector: ...
 
     def plan_for(self, world_size: int) -> BatchPlan | None: ...
 
@@ -150,6 +153,7 @@ class HotPath:
                 keys=keys,
                 identity=identity,
                 fence=s.fence_token,
+                faults=run.faults,
             )
             session.start(advertised_host(s.local_addr), joining=joining)
         except HotRecoveryError as exc:  # an unsupported setup, or torch/accelerate moved a surface we rely on
@@ -265,6 +269,7 @@ class HotPath:
             world_size=recovered.world_size,
             step=recovered.state.step,
             heal_bytes=recovered.heal_bytes,
+            heal_attempts=recovered.heal_attempts,
         )
 
     def stepped(self) -> None:

@@ -29,8 +29,9 @@ def gloo_group(size: int, timeout: timedelta = timedelta(seconds=30)) -> list[An
     return groups
 
 
-def on_every_rank(work: Callable[[int], Any], size: int) -> list[Any]:
-    """``work(rank)`` on ``size`` ranks at once, a thread each; each outcome: its result or the exception it raised."""
+def on_every_rank(work: Callable[[int], Any], size: int, ranks: tuple[int, ...] | None = None) -> list[Any]:
+    """``work(rank)`` on ``size`` ranks at once (or only on ``ranks``), a thread each; each outcome: its result or the
+    exception it raised (None for a rank left out)."""
     outcomes: list[Any] = [None] * size
 
     def run(rank: int) -> None:
@@ -39,7 +40,7 @@ def on_every_rank(work: Callable[[int], Any], size: int) -> list[Any]:
         except Exception as exc:
             outcomes[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(size)]
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (range(size) if ranks is None else ranks)]
     for t in threads:
         t.start()
     for t in threads:

@@ -16,6 +16,7 @@ import torch
 
 from elasticd.worker.hot import stripes
 from elasticd.worker.hot.errors import HealError
+from elasticd.worker.hot.fingerprint import fingerprint
 from elasticd.worker.hot.heal import HealReport, heal
 from elasticd.worker.sampler import DataPosition
 from elasticd.worker.state import TrainingState
@@ -235,3 +236,56 @@ def test_a_source_that_never_comes_fails_the_heal_within_its_timeout() -> None:
     assert time.monotonic() - started < SETTLE_S
     mine = torch.zeros(4, dtype=torch.int64)
     pair[0].allgather([[torch.empty_like(mine), torch.empty_like(mine)]], [mine]).wait(timedelta(seconds=30))
+
+
+def test_after_a_failed_heal_only_the_members_that_sent_still_hold_a_state_to_give(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver's tensors may be half written when its heal fails: it must never be the source of the next heal."""
+    pack = stripes._pack
+
+    def pack_then_flip(buffer: torch.Tensor, raw: Any, layout: stripes.Layout, piece: int) -> torch.Tensor:
+        wire = pack(buffer, raw, layout, piece)
+        if piece == 1:  # piece 0 (the first 64 bytes of the parameters) is written, the rest of the model is not
+            wire[0] ^= 1
+        return wire
+
+    monkeypatch.setattr(stripes, "_pack", pack_then_flip)
+    members = [*trained(2), Trainee(seed=5)]
+    outcomes = heal_all(members, gloo_group(3), chunk_bytes=PIECE_BYTES, timeout=timedelta(seconds=10))
+    assert all(isinstance(o, HealError) for o in outcomes), outcomes
+    assert [o.holds_state for o in outcomes] == [True, True, False]
+    assert not same_weights(members[2], members[0]), "the pieces before the bad one were written: half healed"
+
+
+def test_a_member_waiting_on_a_live_peer_is_released_when_the_heal_is_given_up_elsewhere() -> None:
+    """Only the direct peers of a dead member see gloo fail; the others learn it from the epoch's notice."""
+    group = gloo_group(3, timeout=timedelta(seconds=60))
+    members = [*trained(2), Trainee(seed=5)]
+    given_up_at = time.monotonic() + 0.3  # rank 0, alive, never comes: another member's notice says the heal failed
+
+    def notice() -> str | None:
+        return "r0: the heal failed" if time.monotonic() >= given_up_at else None
+
+    started = time.monotonic()
+    outcomes = on_every_rank(
+        lambda r: heal(
+            0,
+            members[r].model,
+            members[r].optimizer,
+            members[r].scheduler,
+            members[r].state,
+            group=group[r],
+            timeout=timedelta(seconds=60),
+            abandon=notice,
+        ),
+        3,
+        ranks=(1, 2),
+    )
+    waited = time.monotonic() - started
+    assert all(isinstance(o, HealError) and "given up: r0: the heal failed" in str(o) for o in outcomes[1:]), outcomes
+    assert waited < SETTLE_S, f"released after {waited:.1f}s, not by the notice"
+    # rank 0 comes after all: the abandoned gather completes, so that no group is left with a pending collective
+    mine = fingerprint(members[0].model, members[0].optimizer, members[0].scheduler, (), members[0].state)
+    out = [torch.empty_like(mine) for _ in range(3)]
+    group[0].allgather([out], [mine]).wait(timedelta(seconds=30))

@@ -1,6 +1,11 @@
-"""elasticd/worker/faults.py: sample-id NaN faults follow the data, step faults the step number."""
+"""elasticd/worker/faults.py: sample-id NaN faults follow the data, step faults the step, heal faults the heal."""
 
 from __future__ import annotations
+
+import os
+import signal
+
+import pytest
 
 from elasticd.worker.faults import FaultInjector, parse_faults
 
@@ -25,3 +30,15 @@ def test_without_an_epoch_the_samples_are_bad_in_every_epoch_and_step_faults_are
     assert faults.nan_samples(0, [5]) and faults.nan_samples(7, [5])
     assert faults.nan_at(40) and not faults.nan_at(41)
     assert not FaultInjector(parse_faults("nan@step=40-"), rank=0).poisons_samples
+
+
+def test_a_heal_kill_fires_only_in_its_heal_never_after_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    killed: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append(sig))
+    faults = FaultInjector(parse_faults("kill@heal=2"), rank=0)
+    for step in range(1, 50):
+        faults.after_step(step)
+    faults.before_heal_piece(1)
+    assert killed == []
+    faults.before_heal_piece(2)
+    assert killed == [signal.SIGKILL]

@@ -32,11 +32,16 @@ class ReformError(HotRecoveryError):
 
 
 class HealError(HotRecoveryError):
-    """Copying the state from the source rank failed, or the state does not fit this process's objects."""
+    """Copying the state from the source rank failed, or the state does not fit this process's objects.
 
-    def __init__(self, message: str, *, source: int) -> None:
+    ``holds_state``: this member still holds a state it may give to others (its own, untouched, or the source's).
+    False on a receiver whose heal failed: pieces may have been written into its tensors, so it can only be healed
+    again, never be a source (``session.py`` retries the heal from the members that hold the state)."""
+
+    def __init__(self, message: str, *, source: int, holds_state: bool = True) -> None:
         super().__init__(f"healing from rank {source}: {message}")
         self.source = source
+        self.holds_state = holds_state
 
 
 class SurfaceChanged(HotRecoveryError):

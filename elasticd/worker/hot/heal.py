@@ -20,14 +20,18 @@ What moves, and from where:
 4. the tensors in stripes from all senders at once, each piece checked on arrival (``stripes.py``).
 
 Every operation has a bounded wait: a member that dies or hangs during the heal raises
-:class:`~elasticd.worker.hot.errors.HealError` on the others (fall back to the cold path) instead of blocking them
-until the group's timeout. On NCCL (unverified, no GPU here) the transfer buffers live on the group's GPU
-(``backend.collective_device``).
+:class:`~elasticd.worker.hot.errors.HealError` on the others instead of blocking them until the group's timeout, and
+with ``abandon`` (the new epoch's failure notice, ``watch.py``) a member waiting on a live peer that already gave up
+is released within ``_ABANDON_POLL_S``: only the direct peers of a dead member see gloo report it. The error says
+whether this member still holds a state to give (``holds_state``: False on a receiver, whose tensors may be half
+written), so that the survivors can heal again from the members that hold it (``session.py``). On NCCL
+(unverified, no GPU here) the transfer buffers live on the group's GPU (``backend.collective_device``).
 """
 
 from __future__ import annotations
 
 import pickle
+import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,7 +41,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elasticd.worker.hot.backend import collective_device
+from elasticd.worker.hot.backend import collective_device, keep_forever
 from elasticd.worker.hot.errors import HealError
 from elasticd.worker.hot.fingerprint import fingerprint
 from elasticd.worker.hot.registered import capture, restore
@@ -50,6 +54,8 @@ DEFAULT_HEAL_TIMEOUT = timedelta(minutes=2)
 # The tensors' bytes travel in pieces of at most this many bytes: few messages, and a bounded extra copy of the state
 # in memory at a time (one piece on a sender, one per sender on a receiver).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+# While a heal's operation waits on a peer, it looks this often (seconds) whether the epoch was given up elsewhere.
+_ABANDON_POLL_S = 0.05
 
 K = TypeVar("K", bound=Hashable)
 
@@ -101,6 +107,8 @@ def heal(
     group: dist.ProcessGroup | None = None,
     timeout: timedelta = DEFAULT_HEAL_TIMEOUT,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    abandon: Callable[[], str | None] | None = None,
+    before_piece: Callable[[int], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[TrainingState, HealReport]:
     """Make this member's model, optimizer, scheduler and training state those of rank ``source`` (a collective).
@@ -111,6 +119,10 @@ def heal(
     defaults to the current default group; ``source`` is a rank in it. Only members whose fingerprint differs from
     the source's receive anything; every member whose fingerprint equals it sends a stripe of the tensors. Gradients
     are cleared on every member: the next step starts from none.
+
+    ``abandon()``: a reason to give the heal up (another member failed it), asked while an operation waits; None
+    waits each operation out to ``timeout``. ``before_piece(piece)`` is called before this member sends a piece (the
+    fault injector's hook, ``worker/faults.py``). A :class:`HealError` raised on a receiver has ``holds_state`` False.
     """
     started = clock()
     if group is None:
@@ -122,10 +134,36 @@ def heal(
         raise ValueError(f"source rank {source} is outside the world of {world_size}")
     if world_size == 1:
         return state, HealReport(rank, source, world_size, (), 0, 0, 0, clock() - started)
-    link = _Link(group, source, timeout)
+    link = _Link(group, source, timeout, abandon)
     prints = link.gather(fingerprint(model, optimizer, scheduler, registered, state))
     receivers = tuple(r for r in range(world_size) if not torch.equal(prints[r], prints[source]))
     senders = [r for r in range(world_size) if r not in receivers]
+    try:
+        state, received, sent, count = _move_state(
+            link, model, optimizer, scheduler, state, registered, receivers, senders, chunk_bytes, before_piece
+        )
+    except HealError as exc:
+        exc.holds_state = rank not in receivers
+        raise
+    for parameter in model.parameters():
+        parameter.grad = None
+    return state, HealReport(rank, source, world_size, receivers, received, sent, count, clock() - started)
+
+
+def _move_state(
+    link: _Link,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    state: TrainingState,
+    registered: Sequence[Any],
+    receivers: tuple[int, ...],
+    senders: list[int],
+    chunk_bytes: int,
+    before_piece: Callable[[int], None] | None,
+) -> tuple[TrainingState, int, int, int]:
+    """Steps 2-4 of the module's docstring: the state this member goes on with, bytes received and sent, tensors."""
+    rank, source = link.group.rank(), link.source
     received = sent = count = 0
     if receivers:
         own = _describe(model, optimizer, scheduler, registered)
@@ -159,7 +197,7 @@ def heal(
         count = len(tensors)
         problem = ""
         if description is None:
-            sent += send_stripes(link, tensors, layout, senders, rank, receivers)
+            sent += send_stripes(link, tensors, layout, senders, rank, receivers, before_piece)
         else:
             try:
                 received += receive_stripes(link, tensors, layout, senders)
@@ -168,9 +206,7 @@ def heal(
         link.agree(problem, "a receiver did not get the state")
         if description is not None:
             state = _load(description, state_tensors, optimizer, scheduler, registered, source)
-    for parameter in model.parameters():
-        parameter.grad = None
-    return state, HealReport(rank, source, world_size, receivers, received, sent, count, clock() - started)
+    return state, received, sent, count
 
 
 def _load(
@@ -195,19 +231,50 @@ def _load(
 class _Link:
     """The heal's operations over one group, each with a bounded wait (``stripes.Link`` and the collectives)."""
 
-    def __init__(self, group: dist.ProcessGroup, source: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        source: int,
+        timeout: timedelta,
+        abandon: Callable[[], str | None] | None = None,
+    ) -> None:
         # Operations on the group object (what dist.broadcast calls underneath): ranks are the group's own, and
         # the group need not be in torch's registry.
         self.group = group
         self.source = source
         self.timeout = timeout
+        self.abandon = abandon
         self.device = collective_device(group)
 
     def wait(self, work: Any, what: str) -> None:
-        try:
-            work.wait(self.timeout)
-        except Exception as exc:
-            raise HealError(f"{what} failed: {exc}", source=self.source) from exc
+        if self.abandon is None:
+            try:
+                work.wait(self.timeout)
+            except Exception as exc:
+                raise HealError(f"{what} failed: {exc}", source=self.source) from exc
+            return
+        # gloo's point-to-point work has no future and no working is_completed(), and a wait that times out closes
+        # the connection to the peer ("Application timeout caused pair closure"): so the wait runs out on a thread
+        # of its own while this one looks for a reason to give up
+        finished = threading.Event()
+        failures: list[Exception] = []
+
+        def wait_out() -> None:
+            try:
+                work.wait(self.timeout)
+            except Exception as exc:
+                failures.append(exc)
+            finally:
+                finished.set()
+
+        threading.Thread(target=wait_out, name="elasticd-heal-wait", daemon=True).start()
+        while not finished.wait(_ABANDON_POLL_S):
+            reason = self.abandon()
+            if reason is not None:
+                keep_forever(work)  # gloo cannot cancel it: its destructor must never run (backend.keep_forever)
+                raise HealError(f"{what} was given up: {reason}", source=self.source)
+        if failures:
+            raise HealError(f"{what} failed: {failures[0]}", source=self.source) from failures[0]
 
     def _issue(self, issue: Callable[[], Any], what: str) -> Any:
         try:

@@ -13,9 +13,15 @@ step whose gradients could not be reduced, :meth:`HotSession.recover`:
    the one with the most committed steps (the objects registered for checkpointing included; the failed step's
    changes to them were undone at its boundary, ``registered.py``).
 
-Anything that stops this (fewer than the minimum, a member dying during the re-formation, a batch plan that does not
-fit the new world, this member left out) raises :class:`HotFallback`: the worker exits and the daemons restart the
-group from the newest committed checkpoint, today's cold path.
+A member that dies or hangs *during the heal* costs the group another epoch, not its run: every member learns the heal
+failed (``heal.py``), writes the new epoch's failure notice and bids for the next one, the members whose heal failed
+with :data:`~elasticd.membership.UNHEALED_STEP` (their tensors may be half written: they can only be healed), and
+the next epoch heals again from the members that hold the state, up to :data:`HEAL_ATTEMPTS` times. A half-healed
+member never trains.
+
+Anything else that stops this (fewer than the minimum, a member dying during the re-formation, a batch plan that does
+not fit the new world, this member left out, no member left that holds the state) raises :class:`HotFallback`: the
+worker exits and the daemons restart the group from the newest committed checkpoint, today's cold path.
 
 **Joins** go the same way without a failure. The workers of a joining node start in a private world of their node,
 import and prepare, then :meth:`HotSession.join` bids for the next epoch with no old rank (one etcd transaction for
@@ -42,11 +48,12 @@ from elasticd.addresses import listen_address
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.liveness_probe import Probe, ProbeListener, probe
-from elasticd.membership import BelowMinimum, Bid, Epoch, Membership
+from elasticd.membership import UNHEALED_STEP, BelowMinimum, Bid, Epoch, Membership
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.worker.batching import BatchPlan, BatchPlanError
+from elasticd.worker.faults import FaultInjector
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
-from elasticd.worker.hot.errors import HotRecoveryError
+from elasticd.worker.hot.errors import HealError, HotRecoveryError
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
 from elasticd.worker.hot.reform import Reformer
@@ -65,6 +72,9 @@ _DECIDE_POLL_S = 0.05
 FORM_TIMEOUT = timedelta(seconds=15)
 # A joiner looks this often (seconds) whether the group it waits for still trains; a change in etcd wakes it sooner.
 _JOIN_POLL_S = 1.0
+# Heals one change may take (each in an epoch of its own) before the group gives up and restarts cold: each failed
+# one lost a member (or found a piece corrupt), so more would mean a group that keeps failing, not bad luck.
+HEAL_ATTEMPTS = 3
 
 
 class LeftGroup(Exception):
@@ -92,6 +102,7 @@ class Recovered:
     detected_at: float  # time.monotonic() of the failure
     lost_nodes: tuple[str, ...] = ()  # nodes none of whose members is in the new epoch
     nodes: tuple[str, ...] = ()  # the nodes of the new epoch's members (sorted)
+    heal_attempts: int = 1  # heals it took: more than one when a member died or hung during a heal
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +139,7 @@ class HotSession:
         keys: RunKeys,
         identity: Identity,
         fence: str,
+        faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.accelerator = accelerator
@@ -152,6 +164,8 @@ class HotSession:
         self.rank = int(accelerator.process_index)
         self._records: dict[str, dict[str, Any]] = {}
         self._dead: set[str] = set()
+        self._faults = faults
+        self._heals = 0  # heals this process took part in (the fault injector counts by them)
 
     # -- start ---------------------------------------------------------------------------------------------------
 
@@ -282,6 +296,8 @@ class HotSession:
             return HotFallback("below_minimum", str(exc))
         if isinstance(exc, BatchPlanError):
             return HotFallback("batch_plan", str(exc))
+        if isinstance(exc, HealError):
+            return HotFallback("heal_failed", str(exc))
         if isinstance(exc, HotRecoveryError):
             return HotFallback("reform_failed", str(exc))
         if isinstance(exc, EtcdError):
@@ -302,29 +318,81 @@ class HotSession:
     def _move(
         self, decision: Epoch, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], detected_at: float
     ) -> Recovered:
-        """Re-form into ``decision``'s group and heal from its rank 0."""
+        """Re-form into ``decision``'s group and heal from its rank 0; a heal that fails is taken again in the next
+        epoch by the members left (the module's docstring)."""
+        left, before = self.epoch, self.members
+        for attempt in range(1, HEAL_ATTEMPTS + 1):
+            try:
+                healed, heal_bytes, plan = self._enter(decision, state, plan_for)
+            except HealError as exc:
+                if attempt == HEAL_ATTEMPTS:
+                    raise
+                decision = self._after_failed_heal(exc, state, decision.reason, plan_for)
+                continue
+            lost_nodes = tuple(sorted(self._nodes_of(before) - self._nodes_of(decision.members)))
+            nodes = self._nodes_of(decision.members)
+            if self.rank == 0:
+                for epoch in range(left, self.epoch):  # the bids of every epoch before the one in force
+                    self.membership.forget(epoch)
+                self._publish_group(nodes)
+            return Recovered(
+                decision,
+                self.rank,
+                len(decision.members),
+                healed,
+                plan,
+                heal_bytes,
+                detected_at,
+                lost_nodes,
+                tuple(sorted(nodes)),
+                attempt,
+            )
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _enter(
+        self, decision: Epoch, state: TrainingState, plan_for: Callable[[int], BatchPlan | None]
+    ) -> tuple[TrainingState, int, BatchPlan | None]:
+        """Re-form into ``decision``'s group, make it this member's epoch, heal from its rank 0: the state this member
+        goes on with, the bytes it moved, the batch plan of the new world."""
         me, target = self.identity.member, self.epoch + 1
         if decision.number != target:
             raise HotFallback("epoch_skipped", f"expected epoch {target}, epoch {decision.number} is in force")
         rank = decision.rank_of(me)
         if rank is None:
             raise HotFallback("excluded", f"epoch {target} was decided without {me}: this member is out")
+        if decision.step == UNHEALED_STEP:
+            raise HotFallback("heal_failed", f"no member of epoch {target} holds the state to heal from")
         world = len(decision.members)
         plan = plan_for(world)  # the same on every member: all fall back together if the world does not fit
         store = EtcdV3Store(self.client, self.keys.hot_group_store(self.identity.round, target), FORM_TIMEOUT)
         self.reformer.reform(store, rank, world, plan)
-        registered = registered_objects(self.accelerator)
-        healed, report = heal(0, self.model, self.optimizer, self.scheduler, state, registered=registered)
-        lost_nodes = tuple(sorted(self._nodes_of(self.members) - self._nodes_of(decision.members)))
+        # the new epoch is this member's from here: a heal that fails is the new epoch's failure, and its notice
+        # releases the members that wait on a live peer in the heal
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
-        nodes = self._nodes_of(decision.members)
-        self.watch.follow(target, nodes)
-        if rank == 0:
-            self.membership.forget(target - 1)
-            self._publish_group(nodes)
-        return Recovered(
-            decision, rank, world, healed, plan, report.bytes_moved, detected_at, lost_nodes, tuple(sorted(nodes))
+        self.watch.follow(target, self._nodes_of(decision.members))
+        self._heals += 1
+        faults, heals = self._faults, self._heals
+        healed, report = heal(
+            0,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            state,
+            registered=registered_objects(self.accelerator),
+            abandon=self.watch.reason,
+            before_piece=None if faults is None else lambda _piece: faults.before_heal_piece(heals),
         )
+        return healed, report.bytes_moved, plan
+
+    def _after_failed_heal(
+        self, error: HealError, state: TrainingState, reason: str, plan_for: Callable[[int], BatchPlan | None]
+    ) -> Epoch:
+        """The heal of this member's (new) epoch failed: tell the others, bid for the next epoch, wait for it."""
+        me = self.identity.member
+        self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{me}: the heal failed: {error}")
+        step = state.step if error.holds_state else UNHEALED_STEP
+        self.membership.bid(self.epoch + 1, Bid(me, self.rank, step))
+        return self._decide(self.epoch + 1, reason, plan_for)
 
     def _decide(self, target: int, reason: str, plan_for: Callable[[int], BatchPlan | None] | None = None) -> Epoch:
         deadline = self._clock() + DECIDE_TIMEOUT_S

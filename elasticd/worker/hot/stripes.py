@@ -22,7 +22,7 @@ int64, piece number). Every operation has the heal's bounded wait (``Link``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -94,12 +94,17 @@ def send_stripes(
     senders: Sequence[int],
     me: int,
     receivers: Sequence[int],
+    before_piece: Callable[[int], None] | None = None,
 ) -> int:
-    """Send this sender's pieces (every ``len(senders)``-th, from its own index on) to every receiver. Bytes sent."""
+    """Send this sender's pieces (every ``len(senders)``-th, from its own index on) to every receiver. Bytes sent.
+
+    ``before_piece(piece)`` is called before each piece goes out (the fault injector's hook)."""
     raw = [_bytes_of(t) for t in tensors]
     buffer = torch.empty(_wire_bytes(layout.piece_bytes), dtype=torch.uint8, device=link.device)
     sent = 0
     for piece in range(senders.index(me), layout.pieces, len(senders)):
+        if before_piece is not None:
+            before_piece(piece)
         wire = _pack(buffer, raw, layout, piece)
         what = f"sending piece {piece} of the state"
         works = [link.send(wire, receiver, PIECE_TAG + piece, what) for receiver in receivers]
