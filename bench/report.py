@@ -10,9 +10,9 @@ A table in the doc sits between two markers that name its kind and its source::
     python bench/report.py --check    # exit 1 when a table differs from its file or a table lies outside a marked
                                       # block (tests/unit/test_bench_report.py runs it)
 
-Kinds (bench/tables.py renders each): ``recovery``, ``goodput``, ``checkpoint``, ``step_overhead``, ``hang``, one
-per benchmark of that name. Each generated block starts with the commit its figures were measured on; a file that
-predates recording the commit is named by the commit in its file name.
+Kinds (bench/tables.py renders each): ``recovery``, ``goodput``, ``checkpoint``, ``step_overhead``, ``hang``,
+``heal``, one per benchmark of that name. Each generated block starts with the commit its figures were measured on;
+a file that predates recording the commit is named by the commit in its file name.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ the join's heal the group's rank 0 (the source, the only sender of this small st
 it is about to send the joiner its piece (``kill@heal=1,rank=0``: the process's first heal; a joiner's first heal is
 a receiver's, which sends nothing). The joiner's receive fails, every member learns the heal failed, and the two left
 (the other old member, which holds the state, and the joiner, whose tensors it must not trust) decide the next epoch
-among themselves and heal again from the old member. Then the killed node's fresh worker joins too.
+among themselves and heal again from the old member. The killed node's fresh worker joins too, in that epoch when it
+bids in time, else in the next.
 
 Without the retry the heal's failure is a ``hot_fallback`` and every worker restarts cold from a checkpoint; without
 the joiner's "unhealed" bid it could be chosen as the next source and hand its half-written state on (the record's
@@ -21,7 +22,9 @@ from typing import Any
 import pytest
 
 from elasticd.etcd.server import EmbeddedEtcd
+from elasticd.worker.hot.heal import DEFAULT_HEAL_TIMEOUT
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, wait_until
+from tests.integration.on_hosts import stamp
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
@@ -55,9 +58,14 @@ def test_a_source_killed_mid_heal_is_replaced_by_a_live_sender_and_the_joiner_tr
         joiner = c.start("hr-joiner")
         # the survivor's move: the first epoch's heal lost its source, the next one healed the joiner from it
         regrouped = c.nodes[survivor].wait_event("regrouped", 240, where=lambda e: e.get("heal_attempts") == 2)
-        assert regrouped["world_size"] == 2, regrouped
+        # 2, or 3 when the killed node's fresh worker bid in time to join the retried epoch too
+        assert regrouped["world_size"] in (2, 3), regrouped
         healed = joiner.wait_event("regrouped", 60)
         assert healed["heal_attempts"] == 2 and healed["heal_bytes"] > 0, healed
+        # the others learn of the dead sender from gloo and take the rest of the pieces from the live one: released
+        # by that, not by the heal's timeout (each wait of the failed heal would run out after 2 minutes)
+        waited = stamp(regrouped) - stamp(joiner.events("join_requested")[-1])
+        assert waited < DEFAULT_HEAL_TIMEOUT.total_seconds() / 2, f"the retried heal took {waited:.0f}s"
         c.wait_step(lambda s: s["step"] >= regrouped["step"] + 10, timeout_s=60, what="10 steps after the heal")
         c.stop_run()
         for name in (survivor, joiner.name):

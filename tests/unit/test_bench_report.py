@@ -164,9 +164,46 @@ def test_the_hang_table_has_medians_samples_and_marks_and_shows_torchruns_timeou
 
 
 def test_every_kind_names_its_commit_on_its_first_line() -> None:
-    assert set(KINDS) == {"recovery", "goodput", "checkpoint", "step_overhead", "hang"}
+    assert set(KINDS) == {"recovery", "goodput", "checkpoint", "step_overhead", "hang", "heal"}
     dirty = {**_hang_results(), "code": {"commit": "abc1234", "uncommitted_changes": True}}
     assert hang_table(dirty).splitlines()[0].startswith("Measured on commit abc1234 plus uncommitted changes")
+    assert KINDS["heal"](_heal_results([0.5, 0.6, 0.4])).startswith("Measured on commit abc1234,")
+
+
+def _heal_results(pairs: list[float]) -> dict[str, Any]:
+    """bench/heal.py's file: a heal, a raw broadcast and an equal heal, one trial each, and the trials' pairs."""
+    gigabyte = 10**9
+    row = {"median_s": 2.0, "samples_s": [2.0], "bytes": gigabyte, "throughput_bytes_per_s": gigabyte / 2.0}
+    return {
+        "code": {"commit": "abc1234", "uncommitted_changes": False},
+        "machine": {"cpus": 2, "python": "3.11.7"},
+        "versions": {"torch": "2.13.0+cpu"},
+        "config": {
+            "world": 3,
+            "network": "one host",
+            "width": 8,
+            "depth": 2,
+            "parameters": 233,
+            "state": "fp32",
+            "trials": len(pairs),
+        },
+        "summary": {
+            "heal": row,
+            "raw_broadcast": {**row, "median_s": 1.0, "throughput_bytes_per_s": float(gigabyte)},
+            "equal": {"median_s": 0.05, "samples_s": [0.05], "bytes": 0, "throughput_bytes_per_s": None},
+            "heal_vs_raw": 0.5,
+            "heal_vs_raw_by_trial": pairs,
+            "heal_vs_raw_median_of_trials": sorted(pairs)[len(pairs) // 2],
+        },
+    }
+
+
+def test_the_heal_table_judges_the_median_of_the_trials_pairs_against_half_the_broadcasts_throughput() -> None:
+    met = KINDS["heal"](_heal_results([0.5, 0.6, 0.4]))
+    assert "**50 %** median of the trials' pairs (50 %, 60 %, 40 %); target >= 50 %: met." in met
+    assert "| raw gloo broadcast of the same bytes, rank 0 -> the joiner | **1.000** (2.000) | 1.0 GB | 1.00 |" in met
+    missed = KINDS["heal"](_heal_results([0.45, 0.49, 0.7]))
+    assert "**49 %** median" in missed and "target >= 50 %: MISSED." in missed
 
 
 # -- goodput: each world size's own step time, the idle capacity beside it -----------------------------------

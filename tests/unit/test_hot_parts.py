@@ -11,7 +11,7 @@ import torch
 from elasticd.worker.hot.backend import _RELEASE_MARGIN_S, AbandonedGroups
 from elasticd.worker.hot.fingerprint import WIDTH, fingerprint
 from elasticd.worker.hot.heal import HealReport, _attach, _detach, order_by_progress
-from elasticd.worker.hot.stripes import Layout
+from elasticd.worker.hot.stripes import Layout, checksum
 from elasticd.worker.sampler import DataPosition
 from elasticd.worker.state import TrainingState
 
@@ -127,20 +127,35 @@ def test_two_tensors_that_trade_values_do_not_look_the_same() -> None:
     )
 
 
-def test_the_layout_covers_every_byte_once_across_tensor_boundaries() -> None:
+def test_the_layout_covers_every_byte_once_and_no_piece_spans_two_tensors() -> None:
     tensors = [torch.zeros(3), torch.zeros(5, dtype=torch.float64), torch.zeros(0), torch.zeros(7, dtype=torch.int16)]
     layout = Layout.of(tensors, piece_bytes=16)
-    assert layout.total == 12 + 40 + 0 + 14 and layout.pieces == 5
-    covered: list[tuple[int, int]] = []
-    for piece in range(layout.pieces):
-        at = 0
-        for index, first, last, offset in layout.spans(piece):
-            assert offset == at  # each span follows the previous one in the piece
-            at += last - first
-            covered += [(index, b) for b in range(first, last)]
-        assert at == layout.piece_size(piece)
-    assert covered == [(i, b) for i, size in enumerate(layout.sizes) for b in range(size)]
-    assert layout.piece_size(4) == 66 - 64
+    assert layout.total == 12 + 40 + 0 + 14
+    assert [(p.tensor, p.first, p.end) for p in layout.pieces] == [
+        (0, 0, 12),
+        (1, 0, 16),
+        (1, 16, 32),
+        (1, 32, 40),
+        (3, 0, 14),
+    ]
+    assert [p.number for p in layout.pieces] == list(range(5))
+    assert all(p.first % 8 == 0 for p in layout.pieces)  # every piece's checksum reads whole int64 from its start
+
+
+def test_pieces_are_dealt_to_senders_by_bytes() -> None:
+    layout = Layout.of([torch.zeros(64), torch.zeros(2), torch.zeros(2), torch.zeros(2)], piece_bytes=128)
+    owners = layout.senders_of(2)
+    assert owners == [0, 1, 0, 1, 0]  # 128 bytes twice, then each small one where the load is least
+    loads = [sum(p.size for p, o in zip(layout.pieces, owners, strict=True) if o == s) for s in (0, 1)]
+    assert loads == [144, 136]
+
+
+def test_the_checksum_reads_whole_int64_and_the_tail_bytes_as_themselves() -> None:
+    data = torch.arange(11, dtype=torch.uint8)
+    head = int(data[:8].view(torch.int64).item())
+    assert checksum(data) == head + 8 + 9 + 10
+    odd = torch.zeros(17, dtype=torch.uint8)[1:]  # a view whose storage does not start 8-aligned
+    assert checksum(odd) == 0
 
 
 def test_a_piece_size_that_is_not_a_multiple_of_eight_is_refused() -> None:

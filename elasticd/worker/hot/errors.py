@@ -44,5 +44,9 @@ class HealError(HotRecoveryError):
         self.holds_state = holds_state
 
 
+class HealAbandoned(HealError):
+    """The heal was given up while this member waited in it: another member failed it (the epoch's notice)."""
+
+
 class SurfaceChanged(HotRecoveryError):
     """A private torch or accelerate name the hot path relies on is missing or changed (``elasticd/privates/``)."""

@@ -31,6 +31,7 @@ written), so that the survivors can heal again from the members that hold it (``
 from __future__ import annotations
 
 import pickle
+import queue
 import threading
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -42,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd.worker.hot.backend import collective_device, keep_forever
-from elasticd.worker.hot.errors import HealError
+from elasticd.worker.hot.errors import HealAbandoned, HealError
 from elasticd.worker.hot.fingerprint import fingerprint
 from elasticd.worker.hot.registered import capture, restore
 from elasticd.worker.hot.stripes import DESCRIPTION_TAG, Layout, receive_stripes, send_stripes
@@ -51,8 +52,8 @@ from elasticd.worker.state import TrainingState
 # One collective of the heal may take this long before the member is given up on; a 600 MB state took 2.5 s on
 # loopback gloo here, so this is far above a healthy transfer and far below the group's timeout.
 DEFAULT_HEAL_TIMEOUT = timedelta(minutes=2)
-# The tensors' bytes travel in pieces of at most this many bytes: few messages, and a bounded extra copy of the state
-# in memory at a time (one piece on a sender, one per sender on a receiver).
+# The tensors' bytes travel in pieces of at most this many bytes (``stripes.py``): few messages, and a sender dying
+# mid-heal leaves at most a few pieces in flight.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 # While a heal's operation waits on a peer, it looks this often (seconds) whether the epoch was given up elsewhere.
 _ABANDON_POLL_S = 0.05
@@ -135,16 +136,19 @@ def heal(
     if world_size == 1:
         return state, HealReport(rank, source, world_size, (), 0, 0, 0, clock() - started)
     link = _Link(group, source, timeout, abandon)
-    prints = link.gather(fingerprint(model, optimizer, scheduler, registered, state))
-    receivers = tuple(r for r in range(world_size) if not torch.equal(prints[r], prints[source]))
-    senders = [r for r in range(world_size) if r not in receivers]
     try:
-        state, received, sent, count = _move_state(
-            link, model, optimizer, scheduler, state, registered, receivers, senders, chunk_bytes, before_piece
-        )
-    except HealError as exc:
-        exc.holds_state = rank not in receivers
-        raise
+        prints = link.gather(fingerprint(model, optimizer, scheduler, registered, state))
+        receivers = tuple(r for r in range(world_size) if not torch.equal(prints[r], prints[source]))
+        senders = [r for r in range(world_size) if r not in receivers]
+        try:
+            state, received, sent, count = _move_state(
+                link, model, optimizer, scheduler, state, registered, receivers, senders, chunk_bytes, before_piece
+            )
+        except HealError as exc:
+            exc.holds_state = rank not in receivers
+            raise
+    finally:
+        link.close()
     for parameter in model.parameters():
         parameter.grad = None
     return state, HealReport(rank, source, world_size, receivers, received, sent, count, clock() - started)
@@ -245,36 +249,27 @@ class _Link:
         self.timeout = timeout
         self.abandon = abandon
         self.device = collective_device(group)
+        self._waiter = None if abandon is None else _Waiter(timeout)
 
     def wait(self, work: Any, what: str) -> None:
-        if self.abandon is None:
+        if self._waiter is None or self.abandon is None:
             try:
                 work.wait(self.timeout)
             except Exception as exc:
                 raise HealError(f"{what} failed: {exc}", source=self.source) from exc
             return
-        # gloo's point-to-point work has no future and no working is_completed(), and a wait that times out closes
-        # the connection to the peer ("Application timeout caused pair closure"): so the wait runs out on a thread
-        # of its own while this one looks for a reason to give up
-        finished = threading.Event()
-        failures: list[Exception] = []
-
-        def wait_out() -> None:
-            try:
-                work.wait(self.timeout)
-            except Exception as exc:
-                failures.append(exc)
-            finally:
-                finished.set()
-
-        threading.Thread(target=wait_out, name="elasticd-heal-wait", daemon=True).start()
+        finished, failures = self._waiter.submit(work)
         while not finished.wait(_ABANDON_POLL_S):
             reason = self.abandon()
             if reason is not None:
                 keep_forever(work)  # gloo cannot cancel it: its destructor must never run (backend.keep_forever)
-                raise HealError(f"{what} was given up: {reason}", source=self.source)
+                raise HealAbandoned(f"{what} was given up: {reason}", source=self.source)
         if failures:
             raise HealError(f"{what} failed: {failures[0]}", source=self.source) from failures[0]
+
+    def close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()
 
     def _issue(self, issue: Callable[[], Any], what: str) -> Any:
         try:
@@ -324,6 +319,42 @@ class _Link:
         self.wait(self._issue(lambda: self.group.allreduce([flag], options), what), what)
         if flag.item():
             raise HealError(f"{verdict}: {problem or 'another member reported it'}", source=self.source)
+
+
+class _Waiter:
+    """Waits out the heal's operations one after the other on a thread of its own, while the heal's thread looks for
+    a reason to give up (``_Link.wait``): gloo's point-to-point work has no future and no working ``is_completed()``,
+    and a wait that times out closes the connection to the peer ("Application timeout caused pair closure"). The heal
+    waits for its operations in the order it submits them, so one thread serves them all."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._jobs: queue.SimpleQueue[tuple[Any, threading.Event, list[Exception]] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> tuple[threading.Event, list[Exception]]:
+        """Wait for ``work``: the event is set when it completed or failed (then its error is in the list)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="elasticd-heal-wait", daemon=True)
+            self._thread.start()
+        finished, failures = threading.Event(), list[Exception]()
+        self._jobs.put((work, finished, failures))
+        return finished, failures
+
+    def close(self) -> None:
+        """The thread ends after the operation it waits for now, if any (one given up on: at its timeout)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            work, finished, failures = job
+            try:
+                work.wait(self._timeout)
+            except Exception as exc:
+                failures.append(exc)
+            finally:
+                finished.set()
 
 
 def _describe(model: torch.nn.Module, optimizer: Any, scheduler: Any, registered: Sequence[Any]) -> dict[str, Any]:
