@@ -12,6 +12,13 @@ After a failure, the survivors probe every member that has not bid for the next 
 So a member counts as dead when its port refuses or its node's lease is gone, and never on a timer shorter than a
 step (``../shared/HOT-RECOVERY.md``: a short grace once excluded a live survivor whose steps took seconds).
 
+A listener also **greets** every connection with one byte before it closes it, from a thread of its own that does
+nothing else (:func:`greet`): a connection the kernel accepted that brings no greeting within the timeout is
+**silent**: the process is stopped (SIGSTOP, a frozen VM) or wedged. That is a verdict on the process, not on its
+steps, and not on the network (a partition makes the connection time out: unreachable). The hot path's silence
+watch greets the next node's daemon (``worker/hot/silence.py``), so that a stopped node is known dead before its
+lease expires (2 s at etcd's default timing).
+
 Both sides of the probe live here, below the worker library (whose hot path listens and probes) and the daemon
 (whose joining node probes a group before it joins, ``group_record.py``); plain sockets, no torch.
 """
@@ -27,12 +34,15 @@ from enum import StrEnum
 # How long one probe waits for a connection: on a LAN an accept takes well under a millisecond; past this the host
 # is treated as unreachable and the lease decides.
 PROBE_TIMEOUT_S = 0.2
+# What a listener sends every connection before it closes it (greet()).
+GREETING = b"\x01"
 
 
 class Probe(StrEnum):
     REFUSED = "refused"  # nobody listens: the process is gone
     ACCEPTED = "accepted"  # the process exists (maybe stopped)
     UNREACHABLE = "unreachable"  # no answer: the lease decides
+    SILENT = "silent"  # accepted by the kernel, never greeted (greet()): the process is stopped or wedged
 
 
 class ProbeListener:
@@ -53,6 +63,8 @@ class ProbeListener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
+            with contextlib.suppress(OSError):  # a plain probe() may have gone already
+                conn.sendall(GREETING)
             conn.close()
 
     def close(self) -> None:
@@ -68,6 +80,25 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s):
             return Probe.ACCEPTED
+    except ConnectionRefusedError:
+        return Probe.REFUSED
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET):
+            return Probe.REFUSED
+        return Probe.UNREACHABLE
+
+
+def greet(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
+    """Connect to ``host:port`` and wait up to ``timeout_s`` for the listener's greeting: ACCEPTED (greeted),
+    SILENT (connected, never greeted), REFUSED or UNREACHABLE (as :func:`probe`)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            try:
+                conn.recv(1)  # the greeting, or b"": closed without one (alive enough to close it)
+                return Probe.ACCEPTED
+            except TimeoutError:
+                return Probe.SILENT
     except ConnectionRefusedError:
         return Probe.REFUSED
     except OSError as exc:

@@ -14,13 +14,15 @@ import pytest
 from elasticd.agent.node_lease import NodeLease
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
-from elasticd.liveness_probe import Probe, ProbeListener, probe
+from elasticd.liveness_probe import Probe, ProbeListener, greet, probe
+from elasticd.worker.hot.silence import SilenceWatch
 from elasticd.worker.hot.watch import FailureWatch
 from tests.integration.cluster import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 KEYS = RunKeys("liveness")
+SETTLE_S = 5.0  # generous "eventually" on a loaded box
 
 _LISTENER = """
 import sys, time
@@ -47,6 +49,58 @@ def test_a_listening_process_is_accepted_a_killed_one_refused_a_stopped_one_stil
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_a_running_listener_greets_a_stopped_one_is_silent_and_a_killed_one_refused() -> None:
+    """The greeting tells a stopped process from a running one, where a plain probe cannot (above)."""
+    proc = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        assert greet(address) is Probe.ACCEPTED
+        os.kill(proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        assert greet(address, 0.3) is Probe.SILENT
+        assert time.monotonic() - started < 0.3 + SETTLE_S
+        os.kill(proc.pid, signal.SIGCONT)
+        assert greet(address) is Probe.ACCEPTED
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert greet(address) is Probe.REFUSED
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_silence_watch_reports_a_stopped_daemon_once_and_never_a_running_or_unreachable_one() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
+    reports: list[str] = []
+    # c: TEST-NET-1, never routed (a partition, not this watch's verdict)
+    addresses = {"b": "", "c": "192.0.2.1:9"}
+    watch = SilenceWatch(addresses.get, reports.append, interval_s=0.1, silent_after_s=0.3)
+    try:
+        assert proc.stdout is not None
+        addresses["b"] = f"127.0.0.1:{int(proc.stdout.readline())}"
+        watch.follow("a", {"a", "b", "c"})  # a watches b, the node after it
+        time.sleep(1.0)
+        assert reports == [], "a running daemon was reported"
+        os.kill(proc.pid, signal.SIGSTOP)
+        wait_until(lambda: reports, SETTLE_S, "the stopped daemon reported")
+        time.sleep(0.5)
+        assert len(reports) == 1 and "node b's daemon is silent" in reports[0], reports
+        watch.follow("b", {"a", "b", "c"})  # b watches c: unreachable, never reported
+        time.sleep(1.5)
+        assert len(reports) == 1, reports
+    finally:
+        watch.close()
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_ring_gives_every_node_one_watcher() -> None:
+    nodes = {"n2", "n0", "n1"}
+    assert [SilenceWatch.successor(n, nodes) for n in ("n0", "n1", "n2")] == ["n1", "n2", "n0"]
+    assert SilenceWatch.successor("n0", {"n0"}) is None
 
 
 def test_an_unroutable_address_is_unreachable_within_the_probe_timeout() -> None:

@@ -33,6 +33,7 @@ left out of the epoch and stay warm: they bid again for the next one, and step i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -47,7 +48,7 @@ from accelerate.utils import broadcast_object_list
 from elasticd.addresses import listen_address
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
-from elasticd.liveness_probe import Probe, ProbeListener, probe
+from elasticd.liveness_probe import ProbeListener
 from elasticd.membership import UNHEALED_STEP, BelowMinimum, Bid, Epoch, Membership
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.worker.batching import BatchPlan, BatchPlanError
@@ -58,7 +59,9 @@ from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
 from elasticd.worker.hot.reform import Reformer
 from elasticd.worker.hot.registered import Rollback, registered_objects
+from elasticd.worker.hot.silence import SilenceWatch
 from elasticd.worker.hot.step_guard import FailedStepGuard
+from elasticd.worker.hot.verdicts import Verdicts
 from elasticd.worker.hot.watch import FailureWatch
 from elasticd.worker.state import TrainingState
 
@@ -162,10 +165,12 @@ class HotSession:
         self.epoch = 0
         self.members: tuple[str, ...] = ()
         self.rank = int(accelerator.process_index)
-        self._records: dict[str, dict[str, Any]] = {}
-        self._dead: set[str] = set()
+        self.verdicts = Verdicts(client, keys, self.group)
         self._faults = faults
         self._heals = 0  # heals this process took part in (the fault injector counts by them)
+        # one worker per node greets the next node's daemon (silence.py)
+        self._greets = int(getattr(accelerator, "local_process_index", 0)) == 0
+        self.silence = SilenceWatch(self.verdicts.daemon_address, self._report_silent)
 
     # -- start ---------------------------------------------------------------------------------------------------
 
@@ -193,6 +198,7 @@ class HotSession:
         if self.rank == 0:
             self._publish_group(nodes)
         self.watch.follow(self.epoch, nodes)
+        self._follow_silence(nodes)
 
     def _publish_group(self, nodes: set[str]) -> None:
         """Tell nodes that start now that this group trains in place (they join it instead of a rendezvous)."""
@@ -370,6 +376,7 @@ class HotSession:
         # releases the members that wait on a live peer in the heal
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
         self.watch.follow(target, self._nodes_of(decision.members))
+        self._follow_silence(self._nodes_of(decision.members))
         self._heals += 1
         faults, heals = self._faults, self._heals
         healed, report = heal(
@@ -416,43 +423,27 @@ class HotSession:
                 raise HotFallback("decision_timeout", f"epoch {target} was not decided within {DECIDE_TIMEOUT_S:g}s")
             self.client.wait_for_change(self.keys.membership_prefix, before + 1, min(_DECIDE_POLL_S, remaining), True)
 
+    def _follow_silence(self, nodes: set[str]) -> None:
+        if self._greets:
+            self.silence.follow(self.identity.node_id, nodes)
+
+    def _report_silent(self, text: str) -> None:
+        """The silence watch's verdict: fail this epoch's step everywhere (its notice), from the watch's thread."""
+        with contextlib.suppress(EtcdError):  # etcd out of reach: the node's lease expiry is the verdict then
+            self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{self.identity.member}: {text}")
+
     def _is_dead(self, member: str) -> bool:
-        if member in self._dead:
-            return True
-        record = self._record(member)
-        if record is None:
-            dead = True  # every member publishes before the first step: its record is gone with etcd's data
-        else:
-            alive = self.client.get(self.keys.membership_alive(str(record["node"]))) is not None
-            dead = not alive or self._is_out(member) or probe(str(record["addr"])) is Probe.REFUSED
-        if dead:
-            self._dead.add(member)
-        return dead
+        return self.verdicts.is_dead(member, self.epoch)
 
     def _is_out(self, member: str) -> bool:
-        """Did ``member``'s node take it out of this epoch (a culprit of the group's hang agreement)?"""
-        record = self._record(member)
-        node = str(record["node"]) if record is not None else None
-        return node is not None and self.client.get(self.keys.membership_out(self.group, self.epoch, node)) is not None
-
-    def _record(self, member: str) -> dict[str, Any] | None:
-        if member not in self._records:
-            found = self.client.get(self.keys.membership_member(member))
-            if found is None:
-                return None
-            self._records[member] = json.loads(found[0])
-        return self._records[member]
+        return self.verdicts.is_out(member, self.epoch)
 
     def _nodes_of(self, members: tuple[str, ...]) -> set[str]:
-        nodes: set[str] = set()
-        for member in members:
-            record = self._record(member)
-            if record is not None:
-                nodes.add(str(record["node"]))
-        return nodes
+        return self.verdicts.nodes_of(members)
 
     def close(self) -> None:
         self.watch.close()
+        self.silence.close()
         self.hook.close()
         abandoned = getattr(self.reformer.groups, "abandoned", None)
         if abandoned is not None:

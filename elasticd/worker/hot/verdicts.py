@@ -1,0 +1,89 @@
+"""Who of a group's members is dead or out, as the members deciding the next epoch judge it (``session.py``).
+
+A member that did not bid for the next epoch is **dead** when its liveness port refuses a connection (the process is
+gone: the kernel answers at once), when its node's liveness key is gone (its daemon stopped refreshing it), when its
+node took it out of the epoch (a hang's culprit), or when its node's daemon, greeted by the decider itself, stays
+silent (connected, never greeted: the node is stopped; ``liveness_probe.greet``, ``silence.py``). Never on a timer on
+its steps. A verdict of dead is kept: a member declared dead does not come back to the same group.
+
+Each member's record (``membership/member/<name>``: its node and liveness address) and each node's daemon address
+(its registry record's ``probe``) are read from etcd once and kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from elasticd.etcd.client import EtcdClient
+from elasticd.keys import RunKeys
+from elasticd.liveness_probe import Probe, greet, probe
+from elasticd.node_records import read_nodes
+
+# A decider greets the daemon of a member that did not bid this long (seconds) before it takes the silence for a
+# stopped node: a running daemon's listener answers within milliseconds.
+DECIDE_GREET_TIMEOUT_S = 0.5
+
+
+class Verdicts:
+    """The liveness verdicts of one group's members (``group``: the group's name in the run's keys)."""
+
+    def __init__(self, client: EtcdClient, keys: RunKeys, group: str) -> None:
+        self._client = client
+        self._keys = keys
+        self._group = group
+        self._records: dict[str, dict[str, Any]] = {}
+        self._dead: set[str] = set()
+        self._daemons: dict[str, str] = {}  # node -> where its daemon greets
+
+    def is_dead(self, member: str, epoch: int) -> bool:
+        if member in self._dead:
+            return True
+        record = self.record(member)
+        if record is None:
+            dead = True  # every member publishes before the first step: its record is gone with etcd's data
+        else:
+            node = str(record["node"])
+            alive = self._client.get(self._keys.membership_alive(node)) is not None
+            dead = not alive or self.is_out(member, epoch) or probe(str(record["addr"])) is Probe.REFUSED
+            dead = dead or self.daemon_silent(node)
+        if dead:
+            self._dead.add(member)
+        return dead
+
+    def is_out(self, member: str, epoch: int) -> bool:
+        """Did ``member``'s node take it out of ``epoch`` (a culprit of the group's hang agreement)?"""
+        record = self.record(member)
+        node = str(record["node"]) if record is not None else None
+        out = None if node is None else self._client.get(self._keys.membership_out(self._group, epoch, node))
+        return out is not None
+
+    def daemon_address(self, node: str) -> str | None:
+        """Where ``node``'s daemon greets (its registry record), None when it has no record with one."""
+        if node not in self._daemons:
+            for record in read_nodes(self._client, self._keys):
+                if record.get("probe"):
+                    self._daemons[str(record.get("node_id"))] = str(record["probe"])
+        return self._daemons.get(node)
+
+    def daemon_silent(self, node: str) -> bool:
+        """Is ``node``'s daemon stopped (connected, never greeted)? Not for an unreachable one: a partition."""
+        address = self.daemon_address(node)
+        return address is not None and greet(address, DECIDE_GREET_TIMEOUT_S) is Probe.SILENT
+
+    def record(self, member: str) -> dict[str, Any] | None:
+        if member not in self._records:
+            found = self._client.get(self._keys.membership_member(member))
+            if found is None:
+                return None
+            self._records[member] = json.loads(found[0])
+        return self._records[member]
+
+    def nodes_of(self, members: Iterable[str]) -> set[str]:
+        nodes: set[str] = set()
+        for member in members:
+            record = self.record(member)
+            if record is not None:
+                nodes.add(str(record["node"]))
+        return nodes
