@@ -29,6 +29,7 @@ import contextlib
 import errno
 import socket
 import threading
+from collections.abc import Callable
 from enum import StrEnum
 
 # How long one probe waits for a connection: on a LAN an accept takes well under a millisecond; past this the host
@@ -76,29 +77,29 @@ class ProbeListener:
 
 def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
     """Connect to ``host:port`` once."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
-            return Probe.ACCEPTED
-    except ConnectionRefusedError:
-        return Probe.REFUSED
-    except OSError as exc:
-        if exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET):
-            return Probe.REFUSED
-        return Probe.UNREACHABLE
+    return _connect(address, timeout_s, lambda _conn: Probe.ACCEPTED)
 
 
 def greet(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
     """Connect to ``host:port`` and wait up to ``timeout_s`` for the listener's greeting: ACCEPTED (greeted),
     SILENT (connected, never greeted), REFUSED or UNREACHABLE (as :func:`probe`)."""
+
+    def greeted(conn: socket.socket) -> Probe:
+        try:
+            conn.recv(1)  # the greeting, or b"": closed without one (alive enough to close it)
+        except TimeoutError:
+            return Probe.SILENT
+        return Probe.ACCEPTED
+
+    return _connect(address, timeout_s, greeted)
+
+
+def _connect(address: str, timeout_s: float, then: Callable[[socket.socket], Probe]) -> Probe:
+    """``then(connection)`` once connected to ``host:port``; REFUSED or UNREACHABLE when that fails."""
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
-            try:
-                conn.recv(1)  # the greeting, or b"": closed without one (alive enough to close it)
-                return Probe.ACCEPTED
-            except TimeoutError:
-                return Probe.SILENT
+            return then(conn)
     except ConnectionRefusedError:
         return Probe.REFUSED
     except OSError as exc:

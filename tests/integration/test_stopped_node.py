@@ -9,13 +9,10 @@ on the lease's expiry instead (the reason says "lease gone").
 
 from __future__ import annotations
 
-import contextlib
-import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from elasticd.etcd.server import EmbeddedEtcd
@@ -48,9 +45,7 @@ def test_a_stopped_node_is_known_by_its_silent_daemon_before_its_lease_expires(
         ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
         victim = c.nodes[next(n for n, r in ranks.items() if r == 2)]  # not rank 0, whose step lines we read
         survivors = [n for n in names if n != victim.name]
-        stopped = [psutil.Process(victim.proc.pid), *psutil.Process(victim.proc.pid).children(recursive=True)]
-        for p in stopped:
-            p.send_signal(signal.SIGSTOP)
+        victim.freeze()
         stopped_at = time.time()
         try:
             after = c.wait_step(lambda s: s["world_size"] == 2 and s["t"] > stopped_at, timeout_s=60, what="world 2")
@@ -62,6 +57,4 @@ def test_a_stopped_node_is_known_by_its_silent_daemon_before_its_lease_expires(
                 event = c.nodes[name].wait_event("reconfigured", timeout_s=30)
                 assert event["world_size"] == 2 and not c.nodes[name].events("restart"), c.diagnostics()
         finally:
-            for p in stopped:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    p.send_signal(signal.SIGKILL)
+            victim.kill()
