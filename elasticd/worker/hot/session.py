@@ -375,8 +375,9 @@ class HotSession:
         # the new epoch is this member's from here: a heal that fails is the new epoch's failure, and its notice
         # releases the members that wait on a live peer in the heal
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
-        self.watch.follow(target, self._nodes_of(decision.members))
-        self._follow_silence(self._nodes_of(decision.members))
+        nodes = self._nodes_of(decision.members)
+        self.watch.follow(target, nodes)
+        self._follow_silence(nodes)
         self._heals += 1
         faults, heals = self._faults, self._heals
         healed, report = heal(
