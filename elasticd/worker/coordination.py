@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd.board import Phase, SlotWriter
-from elasticd.worker.hot.backend import keep_forever
+from elasticd.worker.hot.given_up import GIVEN_UP
 
 # Seconds of training between sync points; the all-reduce overlaps training, its launch costs a few µs.
 TARGET_SYNC_S = 0.25
@@ -65,7 +65,8 @@ class Coordinator:
         self._next_sync = 0
         self._last_checkpoint = clock()
         self._step_time_s = 0.0
-        self._pending: tuple[Any, torch.Tensor] | None = None  # the all-reduce started at the last sync point
+        # the all-reduce started at the last sync point, its flags and the group it runs in
+        self._pending: tuple[Any, torch.Tensor, Any] | None = None
         # Hot recovery sets it: a failed agreement is then a failed step (re-formed in place), not an exception.
         self.on_failure: Callable[[str], None] | None = None
         # Hot recovery sets it: does the group want a new epoch (joiners that fit the batch, a node that leaves)?
@@ -106,16 +107,16 @@ class Coordinator:
         ``planned``: every old member was at this step boundary (a join), so that agreement completes; a checkpoint
         request it carried is kept. After a failure it may never complete, and is dropped."""
         if planned and self._pending is not None:
-            work, flags = self._pending
+            work, flags, _ = self._pending
             try:
                 work.wait()
                 self.requested = self.requested or flags[0].item() > 0
             except RuntimeError:
                 pass  # a peer died meanwhile: the next step fails and recovers like any failure
         if self._pending is not None and not planned:
-            # the old group's agreement may still fail in gloo's threads: its Work must never be destroyed (a failed
-            # gloo Work's destructor can throw and abort the process), so it is kept, like the old group
-            keep_forever(self._pending[0])
+            # the old group's agreement may still fail in gloo's threads: its Work is held until it has ended (a
+            # pending gloo Work's destructor can throw and abort the process), and the old group with it
+            GIVEN_UP.hold(self._pending[0], self._pending[2])
         self.rank, self.world_size = rank, world_size
         self._collective = world_size > 1
         self._pending = None
@@ -147,7 +148,7 @@ class Coordinator:
             flags = flags.cuda()
         agreed = (False, False, 1, False)
         if self._pending is not None:
-            work, previous = self._pending
+            work, previous, _ = self._pending
             try:
                 work.wait()
             except RuntimeError as exc:  # a peer is gone
@@ -158,7 +159,7 @@ class Coordinator:
                 return agreed
             values = previous.tolist()
             agreed = (values[0] > 0, values[1] > 0, max(1, int(values[2])), values[3] > 0)
-        self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True), flags)
+        self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True), flags, dist.group.WORLD)
         return agreed
 
 

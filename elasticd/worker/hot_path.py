@@ -27,6 +27,7 @@ from elasticd.messages import Kind
 from elasticd.node_records import read_nodes
 from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.errors import HotRecoveryError
+from elasticd.worker.hot.given_up import GIVEN_UP
 from elasticd.worker.hot.session import (
     HotFallback,
     HotSession,
@@ -296,8 +297,8 @@ class HotPath:
         exit_guard.exit_now(code)
 
     def close(self) -> None:
-        self.session.close()
-        pending = self.session.hook.pending_given_up()
+        self.session.close()  # releases the old groups, once what was given up on in them has ended
+        pending = GIVEN_UP.pending()
         if pending:  # the interpreter's teardown could abort the process: exit_guard.py
             exit_guard.install(self.run.log.info, pending=pending)
 

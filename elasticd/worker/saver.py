@@ -51,7 +51,7 @@ from elasticd.layout import done_marker
 from elasticd.messages import Kind
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
 from elasticd.worker.commit_queue import ABANDONED, CommitQueue, Sealed
-from elasticd.worker.hot.backend import keep_forever
+from elasticd.worker.hot.given_up import GIVEN_UP
 
 # The events a rank's daemon hears of: the worker forwards them as messages of these kinds.
 COMMITTED = Kind.CHECKPOINT_COMMITTED
@@ -455,11 +455,12 @@ class CheckpointSaver:
         if acc.num_processes == 1:
             return values
         summed = torch.tensor(values, dtype=torch.int64, device=acc.device)
+        group = dist.group.WORLD
         work = dist.all_reduce(summed, op=dist.ReduceOp.SUM, async_op=True)
         try:
             _collective(lambda: _wait(work, self.group_failed), self.on_group_failure)
         except _GroupFailedError:
-            keep_forever(work)  # a failed gloo Work's destructor may throw (backend.keep_forever)
+            GIVEN_UP.hold(work, group)  # a pending gloo Work's destructor may throw: held until it ends
             raise
         return [int(v) for v in summed.tolist()]
 

@@ -21,6 +21,8 @@ from elasticd.worker.hot.backend import GlooGroups, groups_for
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce, resilient_allreduce_hook
 from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
+from elasticd.worker.hot.given_up import GivenUp
+from tests.integration.cluster import wait_until
 from tests.integration.gloo_groups import gloo_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -212,13 +214,13 @@ def test_a_copy_given_up_on_is_never_reused(pair: list[Any]) -> None:
     assert fresh.tolist() == [1.0] and result(futures[1]).tolist() == [1.0]
 
 
-def test_a_collective_failed_while_it_was_being_issued_is_kept_forever(
+def test_a_collective_failed_while_it_was_being_issued_is_held_until_it_has_ended(
     pair: list[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import elasticd.worker.hot.comm_hook as comm_hook
 
-    kept: list[Any] = []
-    monkeypatch.setattr(comm_hook, "keep_forever", kept.append)  # what a failed gloo Work must never meet: its end
+    held = GivenUp()  # what keeps a pending gloo Work from its destructor
+    monkeypatch.setattr(comm_hook, "GIVEN_UP", held)
 
     class FailsWhileIssuing:
         """The group, but a verdict (a nudge, another bucket's failure) lands while the all-reduce is issued."""
@@ -242,8 +244,9 @@ def test_a_collective_failed_while_it_was_being_issued_is_kept_forever(
     future = hook.reduce(Bucket(0, [1.0]))
     assert result(future).tolist() == [1.0]
     assert hook.health.failed
-    assert any(w is group.work for w in kept), "the given-up collective's Work was left to the garbage collector"
+    assert held.pending(group) == 1, "the given-up collective's Work was left to the garbage collector"
     catch_up(pair[1], 1)
+    wait_until(lambda: held.pending(group) == 0, 10, "the given-up collective ends, and is let go")
 
 
 def test_a_late_verdict_about_a_consumed_failure_does_not_fail_the_next_step(pair: list[Any]) -> None:

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from elasticd.worker.hot.backend import _RELEASE_MARGIN_S, AbandonedGroups
+from elasticd.worker.hot.backend import AbandonedGroups
 from elasticd.worker.hot.fingerprint import WIDTH, fingerprint
+from elasticd.worker.hot.given_up import GivenUp
 from elasticd.worker.hot.heal import HealReport, _attach, _detach, order_by_progress
 from elasticd.worker.hot.stripes import Layout, checksum
 from elasticd.worker.sampler import DataPosition
@@ -43,17 +44,34 @@ def test_a_report_says_whether_its_member_was_healed_and_what_it_moved() -> None
     assert (receiver.bytes_moved, sender.bytes_moved) == (90, 40)
 
 
-def test_an_abandoned_group_is_kept_until_its_timeout_has_certainly_passed() -> None:
-    now = [100.0]
-    abandoned = AbandonedGroups(clock=lambda: now[0])
-    old, older = object(), object()
-    abandoned.keep(old, timeout_s=60.0)  # type: ignore[arg-type]  # any object stands for a group
-    now[0] += 10
-    abandoned.keep(older, timeout_s=600.0)  # type: ignore[arg-type]  # any object stands for a group
-    now[0] = 100.0 + 60.0 + _RELEASE_MARGIN_S - 1
+class Collective:
+    """Stands for a gloo Work: ends when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def test_an_abandoned_group_is_released_once_nothing_given_up_in_it_is_pending() -> None:
+    given_up = GivenUp()
+    abandoned = AbandonedGroups(given_up)
+    old, older, idle = object(), object(), object()  # any object stands for a group
+    in_old, in_older, unknown = Collective(), Collective(), Collective()
+    given_up.hold(in_old, old)
+    given_up.hold(in_older, older)
+    for group in (old, older, idle):
+        abandoned.keep(group)  # type: ignore[arg-type]
+    assert abandoned.sweep() == 1 and len(abandoned) == 2  # nothing was given up on in idle
+    in_old.done = True
+    given_up.hold(unknown, None)  # a collective of no known group pins every group
     assert abandoned.sweep() == 0 and len(abandoned) == 2
-    now[0] += 2
-    assert abandoned.sweep() == 1 and len(abandoned) == 1
+    unknown.done = True
+    assert abandoned.sweep() == 1 and len(abandoned) == 1 and given_up.pending() == 1
+    assert abandoned.drain(0.2, interval_s=0.01) == 1  # a peer that never answers: still held after the drain
+    in_older.done = True
+    assert abandoned.drain(5.0, interval_s=0.01) == 0 and given_up.pending() == 0
 
 
 class Net(torch.nn.Module):

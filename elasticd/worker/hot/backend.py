@@ -5,8 +5,9 @@ classes below by the backend of the group the job trains in:
 
 - :class:`GlooGroups` (CPU): gloo in torch 2.13 cannot abort a pending collective (``abort()``, ``shutdown()`` and
   ``destroy_process_group()`` return while the operation waits for the group's timeout), so the old group is taken
-  out of torch's registry and *kept referenced* (:class:`AbandonedGroups`) until that timeout has passed; dropping it
-  earlier would run its destructor, which joins gloo's threads and blocks. The new group is formed over the store.
+  out of torch's registry and *kept referenced* (:class:`AbandonedGroups`) until no collective given up on in it is
+  pending (``given_up.py``); dropping it earlier would run its destructor, which joins gloo's threads and blocks.
+  The new group is formed over the store.
 - :class:`NcclGroups` (GPU). **Unverified: written from torch 2.13's code and NCCL's documents, never run here (no
   GPU); ``bench/gpu_check.sh`` is the check to run the day one is lent.** ``ncclCommAbort`` ends pending kernels,
   so the old group is aborted (``TORCH_NCCL_USE_COMM_NONBLOCKING=1`` keeps the abort itself from hanging). A pure
@@ -40,12 +41,10 @@ from torch._C._distributed_c10d import ErrorType
 
 from elasticd import envvars
 from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
+from elasticd.worker.hot.given_up import GIVEN_UP, GivenUp
 
-# The group accelerate (or torchrun's environment) formed at start: its timeout is not ours to know; torch's default
-# for gloo is the longest it can be unless the user raised it.
-_INITIAL_GROUP_TIMEOUT_S = 30 * 60.0
-# Past the timeout, gloo still needs a moment to fail the operation and finish its threads.
-_RELEASE_MARGIN_S = 30.0
+# How often the end of the run looks again for old groups to release, while the peers release theirs.
+_DRAIN_POLL_S = 0.05
 # torch's TORCH_NCCL_ASYNC_ERROR_HANDLING modes that end the process on an NCCL error or timeout (1: TearDown,
 # 3: SkipCleanUp, torch's default); 0 (NoHandling) and 2 (CleanUpOnly: abort the communicators, keep the process)
 # leave it to us.
@@ -56,34 +55,45 @@ _NCCL_CLEAN_UP_ONLY = "2"
 
 
 class AbandonedGroups:
-    """Old process groups, referenced until any collective left pending in them has timed out."""
+    """Old gloo groups, each held until no collective given up on in it is pending (``given_up.py``)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, given_up: GivenUp = GIVEN_UP, clock: Callable[[], float] = time.monotonic) -> None:
+        self._given_up = given_up
         self._clock = clock
-        self._held: list[tuple[float, dist.ProcessGroup]] = []  # (release after, group)
+        self._held: list[dist.ProcessGroup] = []
 
-    def keep(self, group: dist.ProcessGroup, timeout_s: float) -> None:
-        self._held.append((self._clock() + timeout_s + _RELEASE_MARGIN_S, group))
+    def keep(self, group: dist.ProcessGroup) -> None:
+        self._held.append(group)
 
     def sweep(self) -> int:
-        """Release the groups whose pending collectives have certainly ended; returns how many were released."""
-        now = self._clock()
-        kept = [(until, group) for until, group in self._held if until > now]
+        """Release the groups in which nothing given up on is pending; returns how many were released.
+
+        Releasing one closes its connections, which ends what its peers still wait for in it."""
+        kept = [group for group in self._held if self._given_up.pending(group)]
         released = len(self._held) - len(kept)
-        self._held = kept
+        self._held = kept  # the released groups' destructors run here: nothing of theirs is pending, it is quick
         return released
+
+    def drain(self, timeout_s: float, interval_s: float = _DRAIN_POLL_S) -> int:
+        """Sweep until no group is held or ``timeout_s`` has passed (the end of the run: the peers release theirs
+        meanwhile); returns how many are still held."""
+        deadline = self._clock() + timeout_s
+        while True:
+            self.sweep()
+            if not self._held or self._clock() >= deadline:
+                return len(self._held)
+            time.sleep(interval_s)
 
     def __len__(self) -> int:
         return len(self._held)
 
     def leak(self) -> int:
-        """At the end of the run: never destroy the groups still held (returns how many).
-
-        Interpreter teardown would otherwise run their destructors, each waiting out a pending collective for the
-        group's timeout (up to torch's 30 minutes for the first group) before the process can exit. One extra
-        reference each keeps them alive until the operating system reclaims the process.
+        """At the end of the run, for the groups :meth:`drain` could not release: never destroy them (returns how
+        many). Interpreter teardown would otherwise run their destructors, each waiting out a pending collective
+        for the group's timeout (up to torch's 30 minutes for the first group). One extra reference each keeps them
+        alive until the operating system reclaims the process (which the exit guard then ends: ``exit_guard.py``).
         """
-        for _, group in self._held:
+        for group in self._held:
             keep_forever(group)
         leaked = len(self._held)
         self._held = []
@@ -165,18 +175,15 @@ class GlooGroups(Groups):
 
     def __init__(self, timeout: timedelta, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__(timeout)
-        self.abandoned = AbandonedGroups(clock)
-        self._formed_here = False  # whether the current default group is one of ours (we know its timeout)
+        self.abandoned = AbandonedGroups(clock=clock)
 
     def retire(self, group: dist.ProcessGroup) -> None:
         self.abandoned.sweep()
         dist.destroy_process_group()  # out of torch's registry; the object lives on in self.abandoned
-        timeout_s = self.timeout.total_seconds() if self._formed_here else _INITIAL_GROUP_TIMEOUT_S
-        self.abandoned.keep(group, timeout_s)
+        self.abandoned.keep(group)
 
     def form(self, store: dist.Store, rank: int, world_size: int) -> None:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=self.timeout)
-        self._formed_here = True
 
 
 class NcclGroups(Groups):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from elasticd.worker.hot.backend import keep_forever
 from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
+from elasticd.worker.hot.given_up import GIVEN_UP
 
 # A backstop, not the detector: a dead peer makes gloo fail within milliseconds (connection reset), and a vanished
 # or hung one is the daemons' call (their verdict reaches the hook through abort()). A bucket's wait includes the
@@ -89,8 +90,9 @@ class _InFlight:
     future: torch.futures.Future[torch.Tensor]
     deadline: float  # time.monotonic() seconds
     polled: bool  # settled by the watcher polling its collective (else by the collective's future callback)
+    group: Any  # the group the collective is issued on
     settled: bool = False
-    work: Any = None  # the collective, once issued: kept while the entry lives, and for ever if it is given up on
+    work: Any = None  # the collective, once issued: kept while the entry lives, and past its end if it is given up on
 
 
 class ResilientAllReduce:
@@ -134,9 +136,6 @@ class ResilientAllReduce:
         # tensor per bucket and step costs page faults on a CPU); dropped when a step fails, since a collective given
         # up on may still write into its copy later.
         self._copies: dict[int, torch.Tensor] = {}
-        # Collectives given up on whose completion callback (Python, run on gloo's thread) is still attached: while
-        # one is pending, this process must not tear its interpreter down (exit_guard.py).
-        self._given_up: list[Any] = []
 
     def register(self, model: Any) -> None:
         """Register on ``model`` (the ``DistributedDataParallel`` that ``accelerator.prepare`` returned)."""
@@ -175,6 +174,7 @@ class ResilientAllReduce:
             future=future,
             deadline=time.monotonic() + self.timeout_s,
             polled=polled,
+            group=group,
         )
         with self._cond:
             if not self._in_flight and self.notice_interval_s is not None:
@@ -200,7 +200,7 @@ class ResilientAllReduce:
                 if polled and not given_up:
                     self._cond.notify_all()  # the watcher starts polling it now
             if given_up:
-                keep_forever(work)
+                _hold(entry)
             elif not polled:
                 work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
         except Exception as exc:  # a group that is already broken may refuse the call itself
@@ -219,12 +219,6 @@ class ResilientAllReduce:
         ones skip the collective. Thread-safe; for an out-of-band verdict (a peer declared dead or hung). A verdict
         about a generation whose failure was already consumed changes nothing."""
         self._fail(self.health.generation if generation is None else generation, reason, None)
-
-    def pending_given_up(self) -> int:
-        """How many collectives given up on may still complete, and call back into Python, on gloo's threads."""
-        with self._cond:
-            self._given_up = [work for work in self._given_up if not _completed(work)]
-            return len(self._given_up)
 
     def close(self) -> None:
         """Stop the deadline watcher (in-flight buckets are left as they are)."""
@@ -274,15 +268,11 @@ class ResilientAllReduce:
             for entry in settled:
                 entry.settled = True
             self._in_flight = [e for e in self._in_flight if not e.settled]
-            # A collective given up on may still end (or fail) later in gloo's threads; its Work must never be
-            # destroyed by Python's garbage collector: a failed gloo Work's destructor can throw its stored
-            # IoException (std::terminate, "Fatal Python error: Aborted" while garbage-collecting; seen in tests).
-            given_up = [e.work for e in settled if e.work is not None]
-            self._given_up += [e.work for e in settled if e.work is not None and not e.polled]
+            given_up = [e for e in settled if e.work is not None]
             if settled:
                 self._copies = {}  # a given-up collective may still write into its copy: never reuse one
-        for work in given_up:
-            keep_forever(work)
+        for entry in given_up:
+            _hold(entry)
         for entry in settled:
             entry.future.set_result(entry.gradient)
 
@@ -349,6 +339,17 @@ class ResilientAllReduce:
             return self.notice()
         except Exception:
             return None  # an unreachable notice board must not end the watch: the deadline still bounds the wait
+
+
+def _hold(entry: _InFlight) -> None:
+    """A collective given up on may still end (or fail) later in gloo's threads, and call back into Python there:
+    its Work is held until it has ended (``given_up.py``; a pending gloo Work's destructor can throw its stored
+    IoException: std::terminate, "Fatal Python error: Aborted" while garbage-collecting, seen in tests). One the
+    watcher polls (a GPU's: NCCL aborts its communicator) is kept for ever, as before (unverified, no GPU here)."""
+    if entry.polled:
+        keep_forever(entry.work)
+    else:
+        GIVEN_UP.hold(entry.work, entry.group)
 
 
 def _completed(work: Any) -> bool:

@@ -42,9 +42,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elasticd.worker.hot.backend import collective_device, keep_forever
+from elasticd.worker.hot.backend import collective_device
 from elasticd.worker.hot.errors import HealAbandoned, HealError
 from elasticd.worker.hot.fingerprint import fingerprint
+from elasticd.worker.hot.given_up import GIVEN_UP
 from elasticd.worker.hot.registered import capture, restore
 from elasticd.worker.hot.stripes import DESCRIPTION_TAG, Layout, receive_stripes, send_stripes
 from elasticd.worker.state import TrainingState
@@ -262,7 +263,7 @@ class _Link:
         while not finished.wait(_ABANDON_POLL_S):
             reason = self.abandon()
             if reason is not None:
-                keep_forever(work)  # gloo cannot cancel it: its destructor must never run (backend.keep_forever)
+                GIVEN_UP.hold(work, self.group)  # gloo cannot cancel it: held until it has ended (given_up.py)
                 raise HealAbandoned(f"{what} was given up: {reason}", source=self.source)
         if failures:
             raise HealError(f"{what} failed: {failures[0]}", source=self.source) from failures[0]

@@ -78,6 +78,10 @@ _JOIN_POLL_S = 1.0
 # Heals one change may take (each in an epoch of its own) before the group gives up and restarts cold: each failed
 # one lost a member (or found a piece corrupt), so more would mean a group that keeps failing, not bad luck.
 HEAL_ATTEMPTS = 3
+# At the end of the run, how long old gloo groups may take to be released (seconds): each waits for what was given up
+# on in it to end, which its peers' releases bring about within a few sweeps (given_up.py). One still held after
+# this waits on a peer alive and silent in it (a frozen node): the process then ends without its teardown.
+DRAIN_AT_CLOSE_S = 10.0
 
 
 class LeftGroup(Exception):
@@ -447,8 +451,8 @@ class HotSession:
         self.silence.close()
         self.hook.close()
         abandoned = getattr(self.reformer.groups, "abandoned", None)
-        if abandoned is not None:
-            abandoned.leak()
+        if abandoned is not None and abandoned.drain(DRAIN_AT_CLOSE_S):
+            abandoned.leak()  # never destroyed: the exit guard ends this process (hot_path.py)
         if self.listener is not None:
             self.listener.close()
 

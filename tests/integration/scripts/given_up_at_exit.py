@@ -28,6 +28,7 @@ import torch.distributed as dist
 from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
 from elasticd.worker.hot.failure import StepHealth
+from elasticd.worker.hot.given_up import GIVEN_UP
 
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 
@@ -73,7 +74,7 @@ future = hook.reduce(Bucket())  # type: ignore[arg-type]  # stands in for torch'
 hook.abort("the test gives the step up")
 future.wait()  # completed unreduced: the collective is given up on, still pending in gloo
 hook.close()
-pending = hook.pending_given_up()
+pending = GIVEN_UP.pending()
 print(f"pending given-up collectives: {pending}", flush=True)
 if pending and "--no-guard" not in sys.argv and flag("--fallback") is None:
     exit_guard.install(lambda event, **fields: print(event, fields, flush=True), pending=pending)
