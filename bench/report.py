@@ -10,8 +10,8 @@ A table in the doc sits between two markers that name its kind and its source::
     python bench/report.py --check    # exit 1 when a table differs from its file or a table lies outside a marked
                                       # block (tests/unit/test_bench_report.py runs it)
 
-Kinds (bench/tables.py renders each): ``recovery``, ``goodput``, ``checkpoint``, ``step_overhead``, ``hang``,
-``heal``, one per benchmark of that name. Each generated block starts with the commit its figures were measured on;
+Kinds (bench/table_kinds.py names what renders each): ``recovery``, ``goodput``, ``checkpoint``,
+``step_overhead``, ``hang``, ``heal``, ``collective_design``, ``recovery_memory``, one per benchmark of that name. Each generated block starts with the commit its figures were measured on;
 a file that predates recording the commit is named by the commit in its file name.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as `python bench/report.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.tables import KINDS
+from bench.table_kinds import KINDS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from bench import goodput_figures
@@ -500,48 +500,3 @@ def _false_hang(f: dict[str, Any], config: dict[str, Any]) -> list[str]:
 
 def _share(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.0f} %"
-
-
-def heal_table(results: dict[str, Any]) -> str:
-    """bench/heal.py: the joiner's heal, the raw gloo broadcast of the same bytes and the heal among equal members,
-    medians and samples; the heal's throughput against the broadcast's, judged on the median of the trials' pairs."""
-    config, summary = results["config"], results["summary"]
-    lines = [
-        f"{provenance(results)}; {config['world']} processes ({config['network']}), examples/train.py's"
-        f" MLP at width {config['width']} and depth {config['depth']}: {config['parameters']:,} parameters, AdamW"
-        f" ({config['state']}); two members hold the state, one joins; {config['trials']} trials in one run, heal and"
-        " broadcast in alternating order; seconds on the joiner.",
-        "",
-    ]
-    labels = {
-        "heal": "heal of the joiner (pieces from both members at once)",
-        "raw_broadcast": "raw gloo broadcast of the same bytes, rank 0 -> the joiner",
-        "equal": "heal with every member equal (a node loss: nothing moves)",
-    }
-    body = []
-    for kind, label in labels.items():
-        row = summary[kind]
-        rate = row.get("throughput_bytes_per_s")
-        cells = [label, f"**{_num(row['median_s'], 3)}** ({_samples(row['samples_s'], digits=3)})"]
-        body.append([*cells, _bytes(int(row["bytes"])), "-" if not rate else _num(rate / 1e9)])
-    lines += _table(["what", "median s (samples)", "bytes", "GB/s"], body)
-    pairs = summary.get("heal_vs_raw_by_trial") or []
-    paired = summary.get("heal_vs_raw_median_of_trials")
-    verdict = "-" if paired is None else ("met" if paired >= 0.5 else "MISSED")
-    lines += [
-        "",
-        f"Heal throughput over the raw broadcast's: {_share(summary['heal_vs_raw'])} of the medians;"
-        f" **{_share(paired)}** median of the trials' pairs ({', '.join(_share(x) for x in pairs)});"
-        f" target >= 50 %: {verdict}.",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
-    "recovery": recovery_table,
-    "goodput": goodput_table,
-    "checkpoint": checkpoint_table,
-    "step_overhead": step_overhead_table,
-    "hang": hang_table,
-    "heal": heal_table,
-}

@@ -16,8 +16,10 @@ import pytest
 
 from bench import checkpoint, goodput, goodput_figures, hang, recovery, step_overhead, workloads
 from bench.common import Launcher
+from bench.recovery_memory import summarise
 from bench.report import _BLOCK, DOC, ROOT, load, main, render, tables_outside_blocks
-from bench.tables import KINDS, checkpoint_table, goodput_table, hang_table, recovery_table, step_overhead_table
+from bench.table_kinds import KINDS
+from bench.tables import checkpoint_table, goodput_table, hang_table, recovery_table, step_overhead_table
 from elasticd import options
 
 CODE = {"commit": "abc1234", "uncommitted_changes": False}
@@ -164,7 +166,16 @@ def test_the_hang_table_has_medians_samples_and_marks_and_shows_torchruns_timeou
 
 
 def test_every_kind_names_its_commit_on_its_first_line() -> None:
-    assert set(KINDS) == {"recovery", "goodput", "checkpoint", "step_overhead", "hang", "heal"}
+    assert set(KINDS) == {
+        "recovery",
+        "goodput",
+        "checkpoint",
+        "step_overhead",
+        "hang",
+        "heal",
+        "collective_design",
+        "recovery_memory",
+    }
     dirty = {**_hang_results(), "code": {"commit": "abc1234", "uncommitted_changes": True}}
     assert hang_table(dirty).splitlines()[0].startswith("Measured on commit abc1234 plus uncommitted changes")
     assert KINDS["heal"](_heal_results([0.5, 0.6, 0.4])).startswith("Measured on commit abc1234,")
@@ -377,3 +388,35 @@ def test_the_large_state_runs_on_a_job_of_its_own_after_the_small_jobs_and_for_e
     for system in ("elasticd-cold", "torchrun", "torchrun-tuned"):
         recovery.run_system_trial(system, 1, tmp_path, tmp_path)
     assert [workload for _, workload, _ in jobs] == ["small"] * 3
+
+
+def test_the_memory_table_judges_growth_from_the_first_cycle_against_the_state() -> None:
+    mib = 2**20
+    samples = [{"cycle": c, "pid": 7, "rss_bytes": (900 + (40 if c else 0) + c) * mib} for c in range(11)]
+    results = {
+        "code": CODE,
+        "machine": MACHINE,
+        "config": {
+            "cycles": 10,
+            "width": 64,
+            "depth": 2,
+            "parameters": 5000,
+            "nodes": 3,
+            "network": "loopback",
+            "settle_steps": 3,
+        },
+        "samples": samples,
+        "exit_codes": {"m-0": 0, "m-11": 0},
+        "summary": summarise(
+            {"samples": samples, "exit_codes": {"m-0": 0, "m-11": 0}, "teardown_skipped": {}, "recoveries": [{}] * 20},
+            state_bytes=400 * mib,
+        ),
+    }
+    table = KINDS["recovery_memory"](results)
+    assert table.startswith("Measured on commit abc1234,")
+    assert "| 0 | 900.0 |" in table and "| 1 | 941.0 |" in table and "| 10 | 950.0 |" in table
+    assert "9.0 MiB, **2.2 %** of the state (target < 5 %: met)" in table  # 941 -> 950, not 900 -> 950
+    assert "from before the first cycle: 12.5 %" in table and "m-0 0, m-11 0" in table
+    samples[-1]["pid"] = 8  # a restarted worker's RSS is no survivor's
+    results["summary"] = summarise({**results, "teardown_skipped": {}, "recoveries": []}, state_bytes=400 * mib)
+    assert "(target < 5 %: MISSED)" in KINDS["recovery_memory"](results)
