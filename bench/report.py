@@ -10,9 +10,10 @@ A table in the doc sits between two markers that name its kind and its source::
     python bench/report.py --check    # exit 1 when a table differs from its file or a table lies outside a marked
                                       # block (tests/unit/test_bench_report.py runs it)
 
-Kinds (bench/table_kinds.py names what renders each): ``recovery``, ``goodput``, ``checkpoint``,
-``step_overhead``, ``hang``, ``heal``, ``collective_design``, ``recovery_memory``, one per benchmark of that name. Each generated block starts with the commit its figures were measured on;
-a file that predates recording the commit is named by the commit in its file name.
+Kinds (bench/table_kinds.py names what renders each): ``recovery``, ``goodput``, ``checkpoint``, ``step_overhead``,
+``hang``, ``heal``, ``collective_design``, ``recovery_memory``, one per benchmark of that name. Each generated block
+starts with the commit its figures were measured on; a file that predates recording the commit is named by the
+commit in its file name.
 """
 
 from __future__ import annotations

@@ -257,6 +257,7 @@ class _Link:
             try:
                 work.wait(self.timeout)
             except Exception as exc:
+                GIVEN_UP.hold(work, self.group)  # timed out, it may still be pending: held until it has ended
                 raise HealError(f"{what} failed: {exc}", source=self.source) from exc
             return
         finished, failures = self._waiter.submit(work)
@@ -266,6 +267,7 @@ class _Link:
                 GIVEN_UP.hold(work, self.group)  # gloo cannot cancel it: held until it has ended (given_up.py)
                 raise HealAbandoned(f"{what} was given up: {reason}", source=self.source)
         if failures:
+            GIVEN_UP.hold(work, self.group)  # a wait that timed out leaves it pending: held until it has ended
             raise HealError(f"{what} failed: {failures[0]}", source=self.source) from failures[0]
 
     def close(self) -> None:
