@@ -23,8 +23,9 @@ the same step body::
   the failed-step guard around ``optimizer.step``, the ``FailureWatch`` thread holding an etcd watch, and the
   liveness probe listener. The benchmark's process starts an embedded etcd with authentication on (as production
   etcd must be) and holds one node liveness lease per rank on it, refreshed as a daemon does (``NodeLease``), so the
-  watch sees every node alive. Every rank must report ``run.hot`` armed, and the hot path must not have failed a
-  step during the run (no recovery, membership epoch 0), or the run fails.
+  watch sees every node alive, and a greeting listener and registry record per rank, as each daemon has, so that
+  the silence watch greets the next node's "daemon" every 0.25 s. Every rank must report ``run.hot`` armed, and
+  the hot path must not have failed a step during the run (no recovery, membership epoch 0), or the run fails.
 
 A sample is a sequence of 16 tokens of 16 features; the MLP applies to every token, a micro-batch is 32
 sequences. Compute per step (``--compute``): ``sleep`` adds ``time.sleep(0.02)`` to a tiny MLP (the most stable
@@ -82,10 +83,12 @@ from bench.common import code_revision, machine, results_path, snapshot_code, ve
 from elasticd import envvars
 from elasticd.agent.beats import BeatReceiver
 from elasticd.agent.node_lease import NodeLease
+from elasticd.agent.registry import NodeRegistry
 from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.keys import RunKeys
+from elasticd.liveness_probe import ProbeListener
 
 TARGET_OVERHEAD = 0.01  # elasticd's median step over the baseline's, minus 1
 TARGET_HOT_OVERHEAD = 0.02  # issue 11: the hot path (comm hook, watch thread) at 20 ms steps, hot over cold and base
@@ -487,6 +490,8 @@ class HotEtcd:
         self.server.start(ready_timeout_s=ETCD_START_TIMEOUT_S)
         self.client: EtcdClient | None = None
         self.leases: list[NodeLease] = []
+        self.listeners: list[ProbeListener] = []
+        self.registries: list[NodeRegistry] = []
         try:
             access = self.server.access
             self.client = EtcdClient.connect(
@@ -496,6 +501,16 @@ class HotEtcd:
                 lease = NodeLease(self.client, RunKeys(HOT_RUN_ID), node_id(HOT_NODE, rank))
                 lease.start()
                 self.leases.append(lease)
+                # the daemon's greeting listener and its registry record, as agent/daemon.py has them: the workers'
+                # silence watch (worker/hot/silence.py) greets the next node's every 0.25 s
+                listener = ProbeListener("127.0.0.1")
+                self.listeners.append(listener)
+                registry = NodeRegistry(
+                    self.client, RunKeys(HOT_RUN_ID), node_id(HOT_NODE, rank), probe=f"127.0.0.1:{listener.port}"
+                )
+                registry.claim()
+                registry.start_keepalive()
+                self.registries.append(registry)
         except BaseException:
             self.close()
             raise
@@ -521,6 +536,10 @@ class HotEtcd:
     def close(self) -> None:
         for lease in self.leases:
             lease.close()
+        for registry in self.registries:
+            registry.release()
+        for listener in self.listeners:
+            listener.close()
         if self.client is not None:
             self.client.close()
         self.server.stop()

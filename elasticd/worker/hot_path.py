@@ -281,6 +281,7 @@ class HotPath:
         seconds = time.monotonic() - float(report.pop("detected_at"))
         self.run.beats.send(Kind.RECONFIGURED, seconds=round(seconds, 4), **report)
         self.run.log.info("reconfigured", seconds=round(seconds, 4), **report)
+        self.session.settle()  # after the report: its time is the next step's, once per change
 
     def _fall_back(self, reason: str, message: str, code: int = EXIT_HOT_FALLBACK) -> NoReturn:
         run = self.run

@@ -39,6 +39,16 @@ class _Run:
         self.state = state
 
 
+class _Session:
+    """The part of the hot session the report calls: the settling after a change."""
+
+    def __init__(self) -> None:
+        self.settled = 0
+
+    def settle(self) -> None:
+        self.settled += 1
+
+
 def _recovered(step: int, reason: str) -> Recovered:
     epoch = Epoch(1, ("g.0", "g.1"), "g.0", step, "3.e1.token", reason)
     return Recovered(epoch, 1, 2, TrainingState(step=step), None, 0, 0.0)
@@ -55,9 +65,12 @@ def _recovered(step: int, reason: str) -> Recovered:
 )
 def test_the_reconfigured_beat_counts_the_completed_steps_trained_again(completed: int, healed: int, lost: int) -> None:
     run = _Run(completed)
-    path = HotPath(run, session=None)  # type: ignore[arg-type]  # reporting uses the run alone
+    session = _Session()
+    path = HotPath(run, session=session)  # type: ignore[arg-type]  # reporting uses the run and the settling
     path._adopt(_recovered(healed, "failure"))
+    path.stepped()
     path.stepped()
     [(kind, fields)] = run.beats.beats
     assert kind is Kind.RECONFIGURED and fields["lost_steps"] == lost
     assert run.state.step == healed
+    assert session.settled == 1  # once per change, at its first step

@@ -61,6 +61,7 @@ from elasticd.worker.hot.reform import Reformer
 from elasticd.worker.hot.registered import Rollback, registered_objects
 from elasticd.worker.hot.silence import SilenceWatch
 from elasticd.worker.hot.step_guard import FailedStepGuard
+from elasticd.worker.hot.trim import return_free_memory
 from elasticd.worker.hot.verdicts import Verdicts
 from elasticd.worker.hot.watch import FailureWatch
 from elasticd.worker.state import TrainingState
@@ -445,6 +446,15 @@ class HotSession:
 
     def _nodes_of(self, members: tuple[str, ...]) -> set[str]:
         return self.verdicts.nodes_of(members)
+
+    def settle(self) -> None:
+        """Once the group trains at its new size: release the old groups in which nothing given up on is pending
+        (their connections close, which ends what the peers still wait for in them) and give what the change freed
+        back to the operating system."""
+        abandoned = getattr(self.reformer.groups, "abandoned", None)
+        if abandoned is not None:
+            abandoned.sweep()
+        return_free_memory()
 
     def close(self) -> None:
         self.watch.close()
