@@ -281,7 +281,8 @@ class HotPath:
         seconds = time.monotonic() - float(report.pop("detected_at"))
         self.run.beats.send(Kind.RECONFIGURED, seconds=round(seconds, 4), **report)
         self.run.log.info("reconfigured", seconds=round(seconds, 4), **report)
-        self.session.settle()  # after the report: its time is the next step's, once per change
+        released, held = self.session.settle()  # after the report: its time is the next step's, once per change
+        self.run.log.info("old_groups_settled", released=released, held=held, pending_collectives=GIVEN_UP.pending())
 
     def _fall_back(self, reason: str, message: str, code: int = EXIT_HOT_FALLBACK) -> NoReturn:
         run = self.run

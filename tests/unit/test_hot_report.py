@@ -45,8 +45,9 @@ class _Session:
     def __init__(self) -> None:
         self.settled = 0
 
-    def settle(self) -> None:
+    def settle(self) -> tuple[int, int]:
         self.settled += 1
+        return 0, 0
 
 
 def _recovered(step: int, reason: str) -> Recovered:

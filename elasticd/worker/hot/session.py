@@ -447,14 +447,14 @@ class HotSession:
     def _nodes_of(self, members: tuple[str, ...]) -> set[str]:
         return self.verdicts.nodes_of(members)
 
-    def settle(self) -> None:
+    def settle(self) -> tuple[int, int]:
         """Once the group trains at its new size: release the old groups in which nothing given up on is pending
         (their connections close, which ends what the peers still wait for in them) and give what the change freed
-        back to the operating system."""
+        back to the operating system. Returns (old groups released, old groups still held)."""
         abandoned = getattr(self.reformer.groups, "abandoned", None)
-        if abandoned is not None:
-            abandoned.sweep()
+        released = 0 if abandoned is None else abandoned.sweep()
         return_free_memory()
+        return released, 0 if abandoned is None else len(abandoned)
 
     def close(self) -> None:
         self.watch.close()
