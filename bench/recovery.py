@@ -22,7 +22,8 @@ checkpoint dir per trial and system):
 - ``node_vanish`` (elasticd only): the same node as ``node_loss``, SIGSTOPped instead (its launcher and worker at one
   moment): nothing resets a connection, detection rests on liveness leases. From the stop to the first step at
   ``world_size == 2``; the stopped node is then killed.
-- ``join_large``, ``node_loss_large`` (elasticd hot only, to keep 3 trials in minutes): ``join`` and ``node_loss``
+- ``join_large``, ``node_loss_large`` (elasticd hot; ``node_loss_large`` also torchrun tuned when asked for by name,
+  ``--scenarios node_loss_large``: each of its restarts loads 1.2 GB): ``join`` and ``node_loss``
   again on a job with a realistic state (``LARGE``: examples/train.py's MLP at 7 layers of 4096 units, ~100M
   parameters, AdamW: ~1.2 GB of weights and moments, which every change in place broadcasts from rank 0), on a job
   of their own, so recovery time is seen against state size.
@@ -210,6 +211,8 @@ SCENARIOS = {
     "torchrun": (Scenario.JOIN, Scenario.NODE_LOSS),
     "torchrun-tuned": (Scenario.JOIN, Scenario.NODE_LOSS),
 }
+# Run only when asked for by name (--scenarios): issue 24's comparison at ~100M parameters, minutes a trial.
+ON_REQUEST = {"torchrun-tuned": (Scenario.NODE_LOSS_LARGE,)}
 # --netns: node loss by kill -9 and by full isolation, for every system (the isolation needs hosts of their own), and
 # for elasticd node loss with its etcd's leader (its etcd members need hosts of their own too).
 NETNS_SCENARIOS = (Scenario.NODE_LOSS, Scenario.NODE_ISOLATED, Scenario.NODE_LOSS_ETCD_LEADER)
@@ -224,7 +227,7 @@ def scenarios_for(system: str, netns: bool, asked: Sequence[Scenario] | None = N
         runnable = [*SCENARIOS[system], Scenario.NODE_ISOLATED, *leader]
         default: Sequence[Scenario] = NETNS_SCENARIOS
     else:
-        runnable, default = list(SCENARIOS[system]), SCENARIOS[system]
+        runnable, default = [*SCENARIOS[system], *ON_REQUEST.get(system, ())], SCENARIOS[system]
     # the order of every scenario (Scenario's), so a trial still starts with the join when one is asked for
     wanted = set(default if asked is None else asked) & set(runnable)
     return [sc for sc in _TRIAL_ORDER if sc in wanted]

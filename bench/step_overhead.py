@@ -498,7 +498,13 @@ class HotEtcd:
                 parse_endpoints(self.server.endpoint), connect_timeout_s=ETCD_START_TIMEOUT_S, **access.connect_kwargs()
             )
             for rank in range(ranks):
-                lease = NodeLease(self.client, RunKeys(HOT_RUN_ID), node_id(HOT_NODE, rank))
+                # on a client of its own, which closing the lease closes, as the daemon's (agent/node_lease.py)
+                own = EtcdClient.connect(
+                    parse_endpoints(self.server.endpoint),
+                    connect_timeout_s=ETCD_START_TIMEOUT_S,
+                    **access.connect_kwargs(),
+                )
+                lease = NodeLease(own, RunKeys(HOT_RUN_ID), node_id(HOT_NODE, rank))
                 lease.start()
                 self.leases.append(lease)
                 # the daemon's greeting listener and its registry record, as agent/daemon.py has them: the workers'
