@@ -306,3 +306,55 @@ def _done(bucket: Any) -> torch.futures.Future[torch.Tensor]:
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     future.set_result(bucket.buffer())
     return future
+
+
+class HeldBucket:
+    """One DDP bucket whose buffer is the same tensor step after step, as DDP's is between re-formations."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.tensor = torch.tensor(values)
+
+    def index(self) -> int:
+        return 0
+
+    def buffer(self) -> torch.Tensor:
+        return self.tensor
+
+
+def test_in_place_a_bucket_a_given_up_collective_holds_is_reduced_into_a_copy_until_that_collective_ends(
+    pair: list[Any],
+) -> None:
+    hooks = [hook_for(g)[0] for g in pair]
+    buckets = [HeldBucket([2.0 * r]) for r in range(2)]
+    for hook in hooks:
+        hook.in_place = True  # as register() sets it on a DDP model whose buckets re-forming rebuilds
+    futures = [hooks[r].reduce(buckets[r]) for r in range(2)]  # type: ignore[arg-type]
+    healthy = result(futures[0])
+    assert healthy.data_ptr() == buckets[0].tensor.data_ptr() and healthy.tolist() == [1.0]  # the bucket itself
+    result(futures[1])
+    buckets[0].tensor.fill_(6.0)
+    abandoned = hooks[0].reduce(buckets[0])  # type: ignore[arg-type]  # rank 1 is late: in flight, in place
+    hooks[0].abort("peer 1 declared dead")
+    result(abandoned)
+    hooks[0].health.consume()
+    # the same buffer again while the given-up collective still holds it: reduced into a copy, the buffer untouched
+    buckets[0].tensor.fill_(8.0)
+    held = hooks[0].reduce(buckets[0])  # type: ignore[arg-type]
+    catch_up(pair[1], 1)  # the given-up collective ends (into the bucket), then rank 1 takes part in the held one
+    late = hooks[1].reduce(HeldBucket([0.0]))  # type: ignore[arg-type]
+    copy = result(held)
+    assert copy.data_ptr() != buckets[0].tensor.data_ptr() and copy.tolist() == [4.0]
+    result(late)
+    # ended: the bucket is reduced in place again
+    wait_until(lambda: hooks[0]._reducible_in_place(buckets[0].tensor), 10, "the given-up collective to end")
+    futures = [hooks[r].reduce(buckets[r]) for r in range(2)]  # type: ignore[arg-type]
+    assert result(futures[0]).data_ptr() == buckets[0].tensor.data_ptr()
+    result(futures[1])
+
+
+def test_a_ddp_model_is_reduced_in_place_unless_ddp_never_rebuilds_its_buckets(world_of_one: None) -> None:
+    for find_unused, in_place in ((False, True), (True, False)):
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1), find_unused_parameters=find_unused)
+        hook = ResilientAllReduce(GroupHolder(dist.group.WORLD), StepHealth())
+        hook.register(model)
+        assert hook.in_place is in_place

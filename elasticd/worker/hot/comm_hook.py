@@ -5,15 +5,21 @@
 in. Each bucket's all-reduce gets a bounded wait. When one fails (a peer died: gloo reports a reset connection) or
 runs past its deadline, or when :meth:`ResilientAllReduce.abort` is called from outside, the step is marked failed in
 the shared :class:`~elasticd.worker.hot.failure.StepHealth` and *every* bucket of the step still in flight is
-completed at once with its own, unreduced gradient: DDP waits for all buckets before the backward pass returns, so
+completed at once with its own gradient (divided by the world size, possibly partly reduced: the step is
+discarded): DDP waits for all buckets before the backward pass returns, so
 completing only the failed one would leave the step blocked on the next. Buckets that become ready after the failure
 complete at once without touching the broken group. The optimizer step is then skipped by the step guard.
 
-Why a copy is reduced rather than DDP's bucket itself: gloo in torch 2.13 cannot abort a pending collective (only
-``Work.wait(timeout)`` gives control back; ``abort()``, ``shutdown()`` and ``destroy_process_group()`` leave the
-operation running until the group's timeout). An abandoned all-reduce may therefore still write into its tensor
-seconds later; the copy (written by the division by the world size, one per bucket, reused while steps succeed and
-never again once a step failed) keeps that write away from the gradients and from later steps.
+Where the bucket is reduced: gloo in torch 2.13 cannot abort a pending collective (only ``Work.wait(timeout)``
+gives control back; ``abort()``, ``shutdown()`` and ``destroy_process_group()`` leave the operation running until
+the group's timeout), so an abandoned all-reduce may still write into its tensor later. DDP's bucket itself is
+reduced (in place, as DDP's own hook does) when that write can reach nothing a later step reads: every failed step
+is followed by a re-formation, which rebuilds DDP's buckets as new tensors (``reform.py``), and a bucket a
+collective given up on still holds is never reduced in place again until that collective has ended. DDP skips the
+rebuild with ``find_unused_parameters`` (without ``static_graph``); for such a model a copy is reduced instead (one
+per bucket, written by the division by the world size, reused while steps succeed and never again once a step
+failed), as every model's was before: measured on the 50M job (``bench/step_overhead.py``), the copy's extra pass
+over the gradients cost the hot path 3.4 % of a 1.74 s step.
 
 Per step the hook costs one Python call per bucket and one completion callback on gloo's thread: nothing else wakes
 (measured by ``bench/step_overhead.py``; the failure notice is asked as each bucket goes in flight and pushed by its
@@ -85,7 +91,7 @@ class GroupHolder:
 class _InFlight:
     bucket: int
     generation: int
-    gradient: torch.Tensor  # DDP's bucket, as this rank computed it: what the step gets back after a failure
+    gradient: torch.Tensor  # DDP's bucket: what the step gets back after a failure (the step is discarded)
     reduced: torch.Tensor  # the copy the collective writes into
     future: torch.futures.Future[torch.Tensor]
     deadline: float  # time.monotonic() seconds
@@ -132,9 +138,15 @@ class ResilientAllReduce:
         self._closed = False
         self._watcher: threading.Thread | None = None
         self._nudged = False
-        # The copies the collectives write into, one per bucket index, reused step after step (a fresh 1-25 MB
-        # tensor per bucket and step costs page faults on a CPU); dropped when a step fails, since a collective given
-        # up on may still write into its copy later.
+        # Whether DDP's buckets are reduced in place: register() decides (not when DDP never rebuilds them); a hook
+        # not registered on a DDP model reduces copies.
+        self.in_place = False
+        # DDP buckets a collective given up on still holds (their address -> that collective): reduced into a copy
+        # until it has ended.
+        self._held_buckets: dict[int, Any] = {}
+        # The copies the collectives write into when a bucket is not reduced in place, one per bucket index, reused
+        # step after step (a fresh 1-25 MB tensor per bucket and step costs page faults on a CPU); dropped when a
+        # step fails, since a collective given up on may still write into its copy later.
         self._copies: dict[int, torch.Tensor] = {}
 
     def register(self, model: Any) -> None:
@@ -143,6 +155,8 @@ class ResilientAllReduce:
             raise UnsupportedSetup(
                 "this model wrapper", f"expected DistributedDataParallel, got {type(model).__name__} (FSDP, DeepSpeed?)"
             )
+        # DDP rebuilds its buckets at a re-formation only if it may (Reducer::should_rebuild_buckets)
+        self.in_place = bool(getattr(model, "static_graph", False)) or not model.find_unused_parameters
         try:
             model.register_comm_hook(state=self, hook=resilient_allreduce_hook)
         except RuntimeError as exc:
@@ -166,11 +180,15 @@ class ResilientAllReduce:
             return future
         group = self.holder.group
         index = bucket.index()
+        if self._reducible_in_place(gradient):
+            reduced = gradient.div_(group.size())
+        else:
+            reduced = torch.div(gradient, group.size(), out=self._copy_for(index, gradient))
         entry = _InFlight(
             bucket=index,
             generation=generation,
             gradient=gradient,
-            reduced=torch.div(gradient, group.size(), out=self._copy_for(index, gradient)),
+            reduced=reduced,
             future=future,
             deadline=time.monotonic() + self.timeout_s,
             polled=polled,
@@ -197,6 +215,8 @@ class ResilientAllReduce:
                 # failure that came while the collective was being issued (a nudge, another bucket) is seen here.
                 entry.work = work
                 given_up = entry.settled
+                if given_up and entry.reduced is entry.gradient:
+                    self._held_buckets[gradient.data_ptr()] = work
                 if polled and not given_up:
                     self._cond.notify_all()  # the watcher starts polling it now
             if given_up:
@@ -271,10 +291,23 @@ class ResilientAllReduce:
             given_up = [e for e in settled if e.work is not None]
             if settled:
                 self._copies = {}  # a given-up collective may still write into its copy: never reuse one
+            for entry in given_up:
+                if entry.reduced is entry.gradient:
+                    self._held_buckets[entry.gradient.data_ptr()] = entry.work
         for entry in given_up:
             _hold(entry)
         for entry in settled:
             entry.future.set_result(entry.gradient)
+
+    def _reducible_in_place(self, gradient: torch.Tensor) -> bool:
+        """Whether ``gradient`` (DDP's bucket) may be the collective's tensor: no collective given up on holds it."""
+        if not self.in_place:
+            return False
+        with self._cond:
+            if not self._held_buckets:
+                return True
+            self._held_buckets = {ptr: work for ptr, work in self._held_buckets.items() if not _completed(work)}
+            return gradient.data_ptr() not in self._held_buckets
 
     def _copy_for(self, index: int, gradient: torch.Tensor) -> torch.Tensor:
         # Under the GIL, from DDP's autograd hook: no two reduce() calls of one hook run at once.
