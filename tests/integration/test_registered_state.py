@@ -76,6 +76,13 @@ def test_a_step_counter_and_an_ema_registered_for_checkpointing_follow_kill_join
         # it (CI: the others, left alone, convicted the group's rank 0)
         joiner.wait_event("reconfigured", 60, where=lambda e: e["reason"] == "join" and "node_id" in e)
         hung_pid = joiner.worker_pids()[-1]
+        # and its record of that step: the script writes it after run.step() returns, which is after the beat (and
+        # after the change's settling: old groups released, freed memory given back)
+        wait_until(
+            lambda: any(int(line["pid"]) == hung_pid for line in read_json_lines(record)),
+            30,
+            "the joiner's first step recorded",
+        )
         os.kill(hung_pid, signal.SIGSTOP)  # 3. 3 -> 2 -> 3
         diagnosed = joiner.wait_event("hang_diagnosed", timeout_s=120)
         joiner.wait_event("joining_in_place", timeout_s=60)
