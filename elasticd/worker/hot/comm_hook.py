@@ -49,7 +49,7 @@ import torch.distributed as dist
 from elasticd.worker.hot.backend import keep_forever
 from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
-from elasticd.worker.hot.given_up import GIVEN_UP
+from elasticd.worker.hot.given_up import GIVEN_UP, ended
 
 # A backstop, not the detector: a dead peer makes gloo fail within milliseconds (connection reset), and a vanished
 # or hung one is the daemons' call (their verdict reaches the hook through abort()). A bucket's wait includes the
@@ -92,7 +92,7 @@ class _InFlight:
     bucket: int
     generation: int
     gradient: torch.Tensor  # DDP's bucket: what the step gets back after a failure (the step is discarded)
-    reduced: torch.Tensor  # the copy the collective writes into
+    reduced: torch.Tensor  # what the collective writes into: the bucket itself, or a copy of it
     future: torch.futures.Future[torch.Tensor]
     deadline: float  # time.monotonic() seconds
     polled: bool  # settled by the watcher polling its collective (else by the collective's future callback)
@@ -215,12 +215,10 @@ class ResilientAllReduce:
                 # failure that came while the collective was being issued (a nudge, another bucket) is seen here.
                 entry.work = work
                 given_up = entry.settled
-                if given_up and entry.reduced is entry.gradient:
-                    self._held_buckets[gradient.data_ptr()] = work
                 if polled and not given_up:
                     self._cond.notify_all()  # the watcher starts polling it now
             if given_up:
-                _hold(entry)
+                self._give_up(entry)
             elif not polled:
                 work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
         except Exception as exc:  # a group that is already broken may refuse the call itself
@@ -291,11 +289,8 @@ class ResilientAllReduce:
             given_up = [e for e in settled if e.work is not None]
             if settled:
                 self._copies = {}  # a given-up collective may still write into its copy: never reuse one
-            for entry in given_up:
-                if entry.reduced is entry.gradient:
-                    self._held_buckets[entry.gradient.data_ptr()] = entry.work
         for entry in given_up:
-            _hold(entry)
+            self._give_up(entry)
         for entry in settled:
             entry.future.set_result(entry.gradient)
 
@@ -306,8 +301,22 @@ class ResilientAllReduce:
         with self._cond:
             if not self._held_buckets:
                 return True
-            self._held_buckets = {ptr: work for ptr, work in self._held_buckets.items() if not _completed(work)}
+            self._held_buckets = {ptr: work for ptr, work in self._held_buckets.items() if not ended(work)}
             return gradient.data_ptr() not in self._held_buckets
+
+    def _give_up(self, entry: _InFlight) -> None:
+        """An issued collective given up on may still end (or fail) later in gloo's threads, and call back into
+        Python there: its Work is held until it has ended (``given_up.py``; a pending gloo Work's destructor can
+        throw its stored IoException: std::terminate, "Fatal Python error: Aborted" while garbage-collecting, seen
+        in tests), and a bucket it reduces in place is not reduced in place again meanwhile. One the watcher polls
+        (a GPU's: NCCL aborts its communicator) is kept for ever, as before (unverified, no GPU here)."""
+        if entry.reduced is entry.gradient:
+            with self._cond:
+                self._held_buckets[entry.gradient.data_ptr()] = entry.work
+        if entry.polled:
+            keep_forever(entry.work)
+        else:
+            GIVEN_UP.hold(entry.work, entry.group)
 
     def _copy_for(self, index: int, gradient: torch.Tensor) -> torch.Tensor:
         # Under the GIL, from DDP's autograd hook: no two reduce() calls of one hook run at once.
@@ -338,7 +347,7 @@ class ResilientAllReduce:
                     continue
                 now = time.monotonic()
                 polled = [e for e in self._in_flight if e.polled and e.work is not None]
-                done = [e for e in polled if _completed(e.work)]
+                done = [e for e in polled if ended(e.work)]
                 late = next((e for e in self._in_flight if e.deadline <= now), None)
                 due = nudged if interval is None else now >= next_notice
                 ask = late is None and not done and self.notice is not None and due
@@ -372,24 +381,6 @@ class ResilientAllReduce:
             return self.notice()
         except Exception:
             return None  # an unreachable notice board must not end the watch: the deadline still bounds the wait
-
-
-def _hold(entry: _InFlight) -> None:
-    """A collective given up on may still end (or fail) later in gloo's threads, and call back into Python there:
-    its Work is held until it has ended (``given_up.py``; a pending gloo Work's destructor can throw its stored
-    IoException: std::terminate, "Fatal Python error: Aborted" while garbage-collecting, seen in tests). One the
-    watcher polls (a GPU's: NCCL aborts its communicator) is kept for ever, as before (unverified, no GPU here)."""
-    if entry.polled:
-        keep_forever(entry.work)
-    else:
-        GIVEN_UP.hold(entry.work, entry.group)
-
-
-def _completed(work: Any) -> bool:
-    try:
-        return bool(work.is_completed())
-    except Exception:
-        return True  # settling it asks for its error, which fails the step
 
 
 def resilient_allreduce_hook(state: ResilientAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
