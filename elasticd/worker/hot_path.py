@@ -226,7 +226,13 @@ class HotPath:
         if failure is None:
             return False
         run = self.run
-        run.log.warning("step_failed", step=run.state.step + 1, reason=failure.reason, epoch=self.session.epoch)
+        run.log.warning(
+            "step_failed",
+            step=run.state.step + 1,
+            reason=failure.reason,
+            epoch=self.session.epoch,
+            backward_cuts=self.session.cutoff.cuts,
+        )
         run.slot.set_phase(Phase.LOADING)  # the hang watchdog allows the startup timeout for what follows
         try:
             # a hang's culprit node tells the group before it kills its workers (agent/supervisor.py)

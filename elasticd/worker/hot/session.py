@@ -54,6 +54,7 @@ from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.worker.batching import BatchPlan, BatchPlanError
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
+from elasticd.worker.hot.cutoff import BackwardCutoff
 from elasticd.worker.hot.errors import HealError, HotRecoveryError
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
@@ -165,6 +166,7 @@ class HotSession:
         self.watch.on_reason(self.hook.nudge)
         # a discarded step leaves the objects registered for checkpointing as they were (registered.py)
         self.guard = FailedStepGuard(self.health, Rollback(lambda: registered_objects(accelerator)))
+        self.cutoff = BackwardCutoff(self.health, self.watch.reason, self.hook.abort)  # a failed step's backward
         self.reformer = Reformer(accelerator, model, self.holder)
         self.listener: ProbeListener | None = None
         self.epoch = 0
@@ -185,6 +187,7 @@ class HotSession:
         ``joining``: this worker joins a group that trains already (:meth:`join` comes next)."""
         self.hook.register(self.model)
         self.guard.install(self.optimizer)
+        self.cutoff.install(self.accelerator, self.model)
         self.listener = ProbeListener(listen_address(advertise))  # where peers dial it, not every interface
         record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
         self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))

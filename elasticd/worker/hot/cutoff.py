@@ -1,0 +1,84 @@
+"""Cutting a doomed backward pass short: once the step is known to have failed, its other gradients are not computed.
+
+A failed step is discarded (``step_guard.py``), yet before this module its backward pass ran to the end: the hook
+completes every bucket at once after a failure, but autograd still computes each gradient the step will throw away.
+Measured on the 100M-parameter benchmark job (``bench/recovery.py --scenarios node_loss_large``, 3 nodes on this
+2-core box): the survivors of a kill -9 learned of it 0.7-1.0 s after the kill, most of it the rest of a backward
+pass whose first bucket had already failed. That time is the bulk of what a node loss costs beyond the step it must
+redo.
+
+:class:`BackwardCutoff` wraps ``accelerator.backward`` (the call accelerate scripts and Hugging Face's ``Trainer``
+make) and gives each parameter a post-accumulate-grad hook. Inside that call only, the hook asks whether the step
+failed (here: :class:`~elasticd.worker.hot.failure.StepHealth`; elsewhere: the failure notice, which it then records
+through ``abort``) and, if so, raises :class:`BackwardCut`, which unwinds autograd's engine and is caught by the
+wrapper: the script's ``accelerator.backward(loss)`` returns as usual, the optimizer step is skipped by the step
+guard, and the step boundary re-forms the group. A ``loss.backward()`` the script calls itself is never cut.
+
+What an unwound backward leaves: some parameters' ``.grad`` accumulated, others not (the step is discarded, and the
+script's ``zero_grad`` clears them), and DDP's reducer with buckets never marked ready. The reducer starts each
+backward afresh (``prepare_for_backward`` resets its bucket counts) and the re-formation that follows every failed
+step rebuilds its buckets (``reform.py``); ``tests/unit/test_hot_cutoff.py`` trains on after a cut backward under DDP
+with and without ``find_unused_parameters`` and ``static_graph``, and checks the gradients agree across ranks.
+
+A healthy step pays one Python call per parameter and a lock read in it (``bench/step_overhead.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from elasticd.worker.hot.failure import StepHealth
+
+
+class BackwardCut(Exception):
+    """Raised inside a backward pass of a failed step; never leaves :meth:`BackwardCutoff.install`'s wrapper."""
+
+
+class BackwardCutoff:
+    """Stops the backward pass of a failed step at the next parameter whose gradient it accumulates."""
+
+    def __init__(
+        self,
+        health: StepHealth,
+        notice: Callable[[], str | None],
+        abort: Callable[[str], None],
+    ) -> None:
+        """``notice()``: why the step failed elsewhere, if it did (the failure watch's verdict); ``abort(reason)``
+        records such a failure for this rank's step (the hook's :meth:`abort`, which also releases its buckets)."""
+        self._health = health
+        self._notice = notice
+        self._abort = abort
+        # Within the wrapped backward: a plain flag, not a thread-local, since autograd runs a GPU graph's hooks on
+        # its own device threads. A training process runs one backward at a time.
+        self._inside = False
+        self.cuts = 0  # backward passes cut short so far
+
+    def install(self, accelerator: Any, model: Any) -> None:
+        """Wrap ``accelerator.backward`` and hook every trainable parameter of ``model``."""
+        for parameter in model.parameters():
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(self._check)
+        original = accelerator.backward
+
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            self._inside = True
+            try:
+                return original(loss, **kwargs)
+            except BackwardCut:
+                self.cuts += 1
+                return None
+            finally:
+                self._inside = False
+
+        accelerator.backward = backward
+
+    def _check(self, _parameter: Any) -> None:
+        if not self._inside:
+            return
+        if not self._health.failed:
+            reason = self._notice()
+            if reason is None:
+                return
+            self._abort(f"failure notice: {reason}")
+        raise BackwardCut("the step failed: its remaining gradients are not computed")
