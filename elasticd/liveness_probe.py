@@ -17,7 +17,7 @@ nothing else (:func:`greet`): a connection the kernel accepted that brings no gr
 **silent**: the process is stopped (SIGSTOP, a frozen VM) or wedged. That is a verdict on the process, not on its
 steps, and not on the network (a partition makes the connection time out: unreachable). The hot path's silence
 watch greets the next node's daemon (``worker/hot/silence.py``), so that a stopped node is known dead before its
-lease expires (2 s at etcd's default timing).
+lease expires (2 s at etcd's default timing), and a killed one before its workers' sockets close.
 
 Both sides of the probe live here, below the worker library (whose hot path listens and probes) and the daemon
 (whose joining node probes a group before it joins, ``group_record.py``); plain sockets, no torch.

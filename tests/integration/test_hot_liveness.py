@@ -3,8 +3,10 @@ lease and the failure watch."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +19,7 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 from elasticd.liveness_probe import Probe, ProbeListener, greet, probe
 from elasticd.worker.hot.silence import SilenceWatch
+from elasticd.worker.hot.verdicts import Verdicts
 from elasticd.worker.hot.watch import FailureWatch
 from tests.integration.cluster import wait_until
 
@@ -88,9 +91,10 @@ def test_a_running_listener_greets_a_stopped_one_is_silent_and_a_killed_one_refu
 def test_the_silence_watch_reports_a_stopped_daemon_once_and_never_a_running_or_unreachable_one() -> None:
     proc = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
     reports: list[str] = []
-    # c: TEST-NET-1, never routed (a partition, not this watch's verdict)
-    addresses = {"b": "", "c": "192.0.2.1:9"}
-    watch = SilenceWatch(addresses.get, reports.append, interval_s=0.1, silent_after_s=0.3)
+    # c: a port whose connections time out (a partition, not this watch's verdict)
+    blackhole, filler = _unanswering_listener()
+    addresses = {"b": "", "c": f"127.0.0.1:{blackhole.getsockname()[1]}"}
+    watch = SilenceWatch(addresses.get, lambda _node, text: reports.append(text), interval_s=0.1, silent_after_s=0.3)
     try:
         assert proc.stdout is not None
         addresses["b"] = f"127.0.0.1:{int(proc.stdout.readline())}"
@@ -104,6 +108,51 @@ def test_the_silence_watch_reports_a_stopped_daemon_once_and_never_a_running_or_
         watch.follow("b", {"a", "b", "c"})  # b watches c: unreachable, never reported
         time.sleep(1.5)
         assert len(reports) == 1, reports
+    finally:
+        watch.close()
+        proc.kill()
+        proc.wait(timeout=10)
+        filler.close()
+        blackhole.close()
+
+
+def _unanswering_listener() -> tuple[socket.socket, socket.socket]:
+    """A listener whose accept queue one connection fills: the kernel drops every later SYN, so a connection to it
+    times out as one across a partition does (an unrouted address is refused by this sandbox's network)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    filler = socket.create_connection(listener.getsockname(), timeout=5)
+    assert probe(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=0.2) is Probe.UNREACHABLE
+    return listener, filler
+
+
+def test_the_silence_watch_reports_a_killed_daemon_at_its_first_refused_greeting() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE, text=True)
+    reports: list[tuple[str, str, float]] = []
+    addresses = {"b": ""}
+    # silent_after_s far above the test's wait: only the refusal can be what reports the node
+    watch = SilenceWatch(
+        addresses.get,
+        lambda node, text: reports.append((node, text, time.monotonic())),
+        interval_s=0.1,
+        silent_after_s=30.0,
+    )
+    try:
+        assert proc.stdout is not None
+        addresses["b"] = f"127.0.0.1:{int(proc.stdout.readline())}"
+        watch.follow("a", {"a", "b"})
+        time.sleep(0.5)
+        assert reports == [], "a running daemon was reported"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        killed = time.monotonic()
+        wait_until(lambda: reports, SETTLE_S, "the killed daemon reported")
+        time.sleep(0.5)
+        assert len(reports) == 1, reports
+        node, text, at = reports[0]
+        assert node == "b" and "node b's daemon refused the greeting: gone" in text, reports
+        print(f"killed daemon reported {at - killed:.2f}s after it was reaped")
     finally:
         watch.close()
         proc.kill()
@@ -183,3 +232,22 @@ def test_the_watch_reports_a_notice_of_its_group_and_epoch_and_a_member_node_tha
         watch.close()
         mine.close()
         theirs.close()
+
+
+def test_a_member_whose_port_still_accepts_is_dead_once_its_nodes_daemon_refuses(etcd_client: EtcdClient) -> None:
+    # A killed node's big worker still accepts on its port while the kernel tears its memory down; its small daemon's
+    # port is closed already. The deciders must take the daemon's answer (verdicts.py).
+    worker = ProbeListener("127.0.0.1")  # the worker's port: still accepting
+    daemon = ProbeListener("127.0.0.1")
+    daemon_address = f"127.0.0.1:{daemon.port}"
+    etcd_client.put(KEYS.membership_member("grp.1"), json.dumps({"node": "n1", "addr": f"127.0.0.1:{worker.port}"}))
+    etcd_client.put(KEYS.membership_alive("n1"), "n1")  # its lease not expired yet
+    etcd_client.put(KEYS.node("n1"), json.dumps({"node_id": "n1", "probe": daemon_address}))
+    try:
+        assert not Verdicts(etcd_client, KEYS, "grp").is_dead("grp.1", 1)  # everything answers: alive
+        daemon.close()
+        assert greet(daemon_address) is Probe.REFUSED and probe(f"127.0.0.1:{worker.port}") is Probe.ACCEPTED
+        assert Verdicts(etcd_client, KEYS, "grp").is_dead("grp.1", 1)
+    finally:
+        worker.close()
+        daemon.close()

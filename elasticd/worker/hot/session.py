@@ -436,9 +436,12 @@ class HotSession:
         if self._greets:
             self.silence.follow(self.identity.node_id, nodes)
 
-    def _report_silent(self, text: str) -> None:
-        """The silence watch's verdict: fail this epoch's step everywhere (its notice), from the watch's thread."""
+    def _report_silent(self, node: str, text: str) -> None:
+        """The silence watch's verdict: fail this epoch's step everywhere (its notice), from the watch's thread. Not
+        for a node that asked to leave: its daemon ends once its workers left, which is no failure."""
         with contextlib.suppress(EtcdError):  # etcd out of reach: the node's lease expiry is the verdict then
+            if node in self.watch.leaving() or node not in self._nodes_of(self.members):
+                return  # a leaver, or a node of an epoch that is over (the watch moved on meanwhile)
             self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{self.identity.member}: {text}")
 
     def _is_dead(self, member: str) -> bool:

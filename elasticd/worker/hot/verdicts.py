@@ -47,7 +47,7 @@ class Verdicts:
             node = str(record["node"])
             alive = self._client.get(self._keys.membership_alive(node)) is not None
             dead = not alive or self.is_out(member, epoch) or probe(str(record["addr"])) is Probe.REFUSED
-            dead = dead or self.daemon_silent(node)
+            dead = dead or self.daemon_gone(node)
         if dead:
             self._dead.add(member)
         return dead
@@ -67,10 +67,11 @@ class Verdicts:
                     self._daemons[str(record.get("node_id"))] = str(record["probe"])
         return self._daemons.get(node)
 
-    def daemon_silent(self, node: str) -> bool:
-        """Is ``node``'s daemon stopped (connected, never greeted)? Not for an unreachable one: a partition."""
+    def daemon_gone(self, node: str) -> bool:
+        """Is ``node``'s daemon gone (refused) or stopped (connected, never greeted)? Not for an unreachable one:
+        a partition."""
         address = self.daemon_address(node)
-        return address is not None and greet(address, DECIDE_GREET_TIMEOUT_S) is Probe.SILENT
+        return address is not None and greet(address, DECIDE_GREET_TIMEOUT_S) in (Probe.REFUSED, Probe.SILENT)
 
     def record(self, member: str) -> dict[str, Any] | None:
         if member not in self._records:
