@@ -709,10 +709,12 @@ def _other_group(before: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
 
 def beyond_step(job: Job, t0: float, t1: float, accept: Callable[[dict[str, Any]], bool]) -> dict[str, float]:
     """What a loss cost beyond the step the survivors redo: ``step_interval``, the median interval of the
-    :data:`INTERVAL_STEPS` steps that follow the first one at the new size (``t1``), and ``beyond_step``, the fault
-    to that first step's end less one such interval (detection and re-forming, plus whatever the first step took
-    beyond a typical one). The work of the step the fault interrupted is lost to every system alike and is not in
-    it. Empty when those steps do not come within the recovery timeout."""
+    :data:`INTERVAL_STEPS` steps that follow the first one at the new size (``t1``), and ``beyond_step``, from the
+    later of the fault and the end of the last step completed before ``t1`` (a step the survivors finished after the
+    fault was training, not standing still: its all-reduce had ended before the peer died) to that first step's end,
+    less one such interval: detection and re-forming, plus whatever the first step took beyond a typical one. The
+    work of the step the fault interrupted is lost to every system alike and is not in it. Empty when those steps do
+    not come within the recovery timeout."""
 
     def following() -> list[float] | None:
         job.launcher.refresh()
@@ -724,7 +726,12 @@ def beyond_step(job: Job, t0: float, t1: float, accept: Callable[[dict[str, Any]
     except BenchTimeout:
         return {}
     interval = statistics.median(b - a for a, b in itertools.pairwise(times[: INTERVAL_STEPS + 1]))
-    return {"step_interval": round(interval, 3), "beyond_step": round(t1 - t0 - interval, 3)}
+    completed = [float(r["t"]) for r in step_lines(job, t0) if float(r["t"]) < t1]
+    since = max([t0, *completed])
+    figures = {"step_interval": round(interval, 3), "beyond_step": round(t1 - since - interval, 3)}
+    if since > t0:
+        figures["completed_after_fault"] = round(since - t0, 3)
+    return figures
 
 
 def join_figures(job: Job, t0: float, t1: float) -> dict[str, float]:
@@ -1049,6 +1056,7 @@ _PHASE_ORDER = [
     "workers_started",
     "worker_ready",
     "first_step",
+    "completed_after_fault",
     "step_interval",
     "beyond_step",
     "stall",

@@ -15,17 +15,17 @@ the same step body::
   the worker, and a board directory (``ELASTICD_BOARD``) makes the worker write its hang-watchdog slot every step
   and answer stack and flight-recorder requests (forward-pass timing hooks included); checkpoints are off
   (``WorkerSettings(checkpoint_every_steps=0)``) in a temporary directory. This is the cold path (``--recovery cold``).
-- ``hot`` (``--hot``, the default, at 2+ ranks only: a world of one has nobody to re-form with): the ``elasticd``
-  loop again, from a second ``Run`` with hot recovery armed as under ``elasticd start --recovery hot``: its settings
-  come from the ``ELASTICD_*`` variables a daemon exports (recovery ``hot``, the etcd endpoint and credentials, a
-  fence token, a node id per rank, the local address), so ``run.resume`` arms ``HotPath``: the
-  ``ResilientAllReduce`` comm hook on this loop's DDP model (the other two keep DDP's default all-reduce: checked),
-  the failed-step guard around ``optimizer.step``, the ``FailureWatch`` thread holding an etcd watch, and the
-  liveness probe listener. The benchmark's process starts an embedded etcd with authentication on (as production
+- ``hot`` (``--hot``, the default, at 2+ ranks only: a world of one has nobody to re-form with): the ``elasticd`` loop
+  again, from a second ``Run`` with hot recovery armed as under ``elasticd start --recovery hot``: its settings come
+  from the ``ELASTICD_*`` variables a daemon exports (recovery ``hot``, the etcd endpoint and credentials, a fence
+  token, a node id per rank, the local address), so ``run.resume`` arms ``HotPath``: the ``ResilientAllReduce`` comm
+  hook on this loop's DDP model (the other two keep DDP's default all-reduce: checked), the failed-step guard around
+  ``optimizer.step``, the backward cutoff's hook on every parameter, the ``FailureWatch`` thread holding an etcd watch,
+  and the liveness probe listener. The benchmark's process starts an embedded etcd with authentication on (as production
   etcd must be) and holds one node liveness lease per rank on it, refreshed as a daemon does (``NodeLease``), so the
-  watch sees every node alive, and a greeting listener and registry record per rank, as each daemon has, so that
-  the silence watch greets the next node's "daemon" every 0.25 s. Every rank must report ``run.hot`` armed, and
-  the hot path must not have failed a step during the run (no recovery, membership epoch 0), or the run fails.
+  watch sees every node alive, and a greeting listener and registry record per rank, as each daemon has, so that the
+  silence watch greets the next node's "daemon" every 0.1 s. Every rank must report ``run.hot`` armed, and the hot path
+  must not have failed a step during the run (no recovery, membership epoch 0), or the run fails.
 
 A sample is a sequence of 16 tokens of 16 features; the MLP applies to every token, a micro-batch is 32
 sequences. Compute per step (``--compute``): ``sleep`` adds ``time.sleep(0.02)`` to a tiny MLP (the most stable
@@ -508,7 +508,7 @@ class HotEtcd:
                 lease.start()
                 self.leases.append(lease)
                 # the daemon's greeting listener and its registry record, as agent/daemon.py has them: the workers'
-                # silence watch (worker/hot/silence.py) greets the next node's every 0.25 s
+                # silence watch (worker/hot/silence.py) greets the next node's every 0.1 s
                 listener = ProbeListener("127.0.0.1")
                 self.listeners.append(listener)
                 registry = NodeRegistry(

@@ -163,9 +163,11 @@ def recovery_table(results: dict[str, Any]) -> str:
             " running group's pause in total: every step's excess over a typical one, summed), `stall` (the longest"
             " single pause between two steps, less a typical step) and `ready_to_step` (the joiner's workers imported"
             " and prepared -> their first step in the group); for a loss also `step_interval` (the median interval"
-            " of the 3 steps after the first at the new size) and `beyond_step` (the fault -> that first step's end,"
-            " less one such interval: what the survivors lost beyond the step they redo, by which issue 24 judges the"
-            " 1.2 GB node loss and its ratio to tuned torchrun), all in seconds:",
+            " of the 3 steps after the first at the new size), `beyond_step` (from the later of the fault and the end"
+            " of a step the survivors still completed after it, to the first step's end at the new size, less one"
+            " such interval: what the survivors stood still beyond the step they redo, by which issue 24 judges the"
+            " 1.2 GB node loss and its ratio to tuned torchrun) and, where they completed one, `completed_after_fault`"
+            " (the fault -> that step's end), all in seconds:",
             "",
             *phases,
         ]
