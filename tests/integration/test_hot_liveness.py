@@ -251,3 +251,42 @@ def test_a_member_whose_port_still_accepts_is_dead_once_its_nodes_daemon_refuses
     finally:
         worker.close()
         daemon.close()
+
+
+def test_a_node_whose_daemon_came_back_on_another_port_is_neither_dead_nor_reported(etcd_client: EtcdClient) -> None:
+    # A node killed and started again keeps its node id; its new daemon listens on another port. An address read
+    # before (kept by the verdicts and the watch) refuses, and must not make the node's new members dead.
+    worker, old, new = ProbeListener("127.0.0.1"), ProbeListener("127.0.0.1"), ProbeListener("127.0.0.1")
+    record = {"node_id": "n3", "probe": f"127.0.0.1:{old.port}"}
+    etcd_client.put(KEYS.membership_member("grp.3"), json.dumps({"node": "n3", "addr": f"127.0.0.1:{worker.port}"}))
+    etcd_client.put(KEYS.membership_alive("n3"), "n3")
+    etcd_client.put(KEYS.node("n3"), json.dumps(record))
+    verdicts, watched = (
+        Verdicts(etcd_client, KEYS, "grp"),
+        Verdicts(etcd_client, KEYS, "grp"),
+    )  # the decider's, the watch's
+    reports: list[str] = []
+    watch = SilenceWatch(
+        watched.daemon_address,
+        lambda _node, text: reports.append(text),
+        current_address=watched.current_daemon_address,
+        interval_s=0.1,
+        silent_after_s=30.0,
+    )
+    try:
+        for each in (verdicts, watched):
+            assert each.daemon_address("n3") == record["probe"]  # read, and kept
+        old.close()
+        etcd_client.put(KEYS.node("n3"), json.dumps({**record, "probe": f"127.0.0.1:{new.port}"}))
+        assert not verdicts.is_dead("grp.3", 1)
+        watch.follow("n2", {"n2", "n3"})
+        time.sleep(1.0)
+        assert reports == [], reports
+        new.close()  # now the node's current daemon is gone
+        wait_until(lambda: reports, SETTLE_S, "the node's current daemon reported")
+        assert "node n3's daemon refused the greeting: gone" in reports[0], reports
+        assert Verdicts(etcd_client, KEYS, "grp").is_dead("grp.3", 1)
+    finally:
+        watch.close()
+        for listener in (worker, old, new):
+            listener.close()

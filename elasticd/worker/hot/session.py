@@ -177,7 +177,11 @@ class HotSession:
         self._heals = 0  # heals this process took part in (the fault injector counts by them)
         # one worker per node greets the next node's daemon (silence.py)
         self._greets = int(getattr(accelerator, "local_process_index", 0)) == 0
-        self.silence = SilenceWatch(self.verdicts.daemon_address, self._report_silent)
+        self.silence = SilenceWatch(
+            self.verdicts.daemon_address,
+            self._report_silent,
+            current_address=self.verdicts.current_daemon_address,
+        )
 
     # -- start ---------------------------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class SilenceWatch:
         daemon_address: Callable[[str], str | None],
         report: Callable[[str, str], None],
         *,
+        current_address: Callable[[str], str | None] | None = None,
         interval_s: float = INTERVAL_S,
         greeting_timeout_s: float = GREETING_TIMEOUT_S,
         silent_after_s: float = SILENT_AFTER_S,
@@ -57,8 +58,10 @@ class SilenceWatch:
     ) -> None:
         """``daemon_address(node)``: where that node's daemon greets (None: not known yet); ``report(node, text)``:
         the watched node's daemon stayed silent or refused (called once per :meth:`follow`, from the watch's
-        thread)."""
+        thread); ``current_address(node)``: that node's daemon address read again, asked before a refusal is
+        reported (a node that came back listens on another port; default: ``daemon_address``)."""
         self._address = daemon_address
+        self._current_address = current_address or daemon_address
         self._report = report
         self._interval_s = interval_s
         self._greeting_timeout_s = greeting_timeout_s
@@ -108,6 +111,11 @@ class SilenceWatch:
             sent = self._clock()
             answer = self._greet(address, self._greeting_timeout_s)
             if answer is Probe.REFUSED:
+                current = self._current_address(target)
+                if current is None:
+                    continue  # no record to judge by: the node's lease decides
+                if current != address:
+                    continue  # the node came back on another port: greet that one from the next round
                 reported = True
                 self._report(target, f"node {target}'s daemon refused the greeting: gone")
                 continue

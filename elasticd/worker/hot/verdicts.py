@@ -60,18 +60,37 @@ class Verdicts:
         return out is not None
 
     def daemon_address(self, node: str) -> str | None:
-        """Where ``node``'s daemon greets (its registry record), None when it has no record with one."""
+        """Where ``node``'s daemon greets (its registry record, as first read), None when it has no record with one."""
         if node not in self._daemons:
-            for record in read_nodes(self._client, self._keys):
-                if record.get("probe"):
-                    self._daemons[str(record.get("node_id"))] = str(record["probe"])
+            self._read_daemons()
+        return self._daemons.get(node)
+
+    def current_daemon_address(self, node: str) -> str | None:
+        """Where ``node``'s daemon greets now: its registry record read again. A node that came back (a restarted
+        daemon, the same node id) listens on another port, and its old address refuses."""
+        self._daemons.pop(node, None)
+        self._read_daemons()
         return self._daemons.get(node)
 
     def daemon_gone(self, node: str) -> bool:
-        """Is ``node``'s daemon gone (refused) or stopped (connected, never greeted)? Not for an unreachable one:
-        a partition."""
+        """Is ``node``'s daemon gone (refused at its current address) or stopped (connected, never greeted)? Not for
+        an unreachable one: a partition."""
         address = self.daemon_address(node)
-        return address is not None and greet(address, DECIDE_GREET_TIMEOUT_S) in (Probe.REFUSED, Probe.SILENT)
+        if address is None:
+            return False
+        answer = greet(address, DECIDE_GREET_TIMEOUT_S)
+        if answer is Probe.REFUSED:
+            current = self.current_daemon_address(node)
+            if current is None:
+                return False  # no record to judge by: the node's lease decides
+            if current != address:
+                answer = greet(current, DECIDE_GREET_TIMEOUT_S)
+        return answer in (Probe.REFUSED, Probe.SILENT)
+
+    def _read_daemons(self) -> None:
+        for record in read_nodes(self._client, self._keys):
+            if record.get("probe"):
+                self._daemons[str(record.get("node_id"))] = str(record["probe"])
 
     def record(self, member: str) -> dict[str, Any] | None:
         if member not in self._records:
