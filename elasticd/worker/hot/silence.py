@@ -13,9 +13,10 @@ So one worker per node (local rank 0) greets the daemon of the node after its ow
 notice, which fails the step everywhere); the members deciding the next epoch greet that daemon themselves before
 they count its members dead (``verdicts.py``), so no single worker's view removes a node.
 
-A **refused** greeting is reported at once: nobody listens on the daemon's port, the daemon is gone, and its workers
-go with it (``parentdeath.py``). That is the fast verdict on a killed node: a worker holding gigabytes closes its
-sockets only once the kernel has torn its memory down, measured on this box at 0.22 s for a 3.5 GB process after
+A **refused** greeting is reported at once, once the node's registry record, read again, still names that address
+(a node that came back listens on another port): nobody listens on the daemon's port, the daemon is gone, and its
+workers go with it (``parentdeath.py``). That is the fast verdict on a killed node: a worker holding gigabytes closes
+its sockets only once the kernel has torn its memory down, measured on this box at 0.22 s for a 3.5 GB process after
 SIGKILL (0.06 s for 1 GB), and on the 1.2 GB benchmark job (``bench/recovery.py --scenarios node_loss_large``) the
 survivors once learned of a kill only from the node's lease, 1.5 s later, while the small daemon's port was closed
 within milliseconds. An unreachable daemon is not this watch's verdict: it may be a partition, which the daemons' own
