@@ -9,12 +9,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.helpers import free_port
 from tests.integration.cutoff_model import LAYERS, Rank
@@ -22,15 +20,6 @@ from tests.integration.cutoff_model import LAYERS, Rank
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "cutoff_ranks.py"
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_failed_steps_backward_stops_at_the_first_parameter_and_the_next_step_is_whole(world_of_one: None) -> None:

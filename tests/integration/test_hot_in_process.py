@@ -271,15 +271,6 @@ def test_the_hook_reduces_on_whatever_group_the_holder_holds_now(pair: list[Any]
     assert [result(f).tolist() for f in futures] == [[2.0], [2.0]]
 
 
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_ddp_accepts_the_hook_and_a_string_annotation_is_refused(world_of_one: None) -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
     ResilientAllReduce(GroupHolder(), StepHealth()).register(model)

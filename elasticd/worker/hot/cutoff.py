@@ -17,8 +17,9 @@ guard, and the step boundary re-forms the group. A ``loss.backward()`` the scrip
 What an unwound backward leaves: some parameters' ``.grad`` accumulated, others not (the step is discarded, and the
 script's ``zero_grad`` clears them), and DDP's reducer with buckets never marked ready. The reducer starts each
 backward afresh (``prepare_for_backward`` resets its bucket counts) and the re-formation that follows every failed
-step rebuilds its buckets (``reform.py``); ``tests/unit/test_hot_cutoff.py`` trains on after a cut backward under DDP
-with and without ``find_unused_parameters`` and ``static_graph``, and checks the gradients agree across ranks.
+step rebuilds its buckets (``reform.py``); ``tests/integration/test_hot_cutoff.py`` trains two ranks on after a cut
+backward under DDP's defaults, ``find_unused_parameters``, ``static_graph`` and ``gradient_as_bucket_view``, and
+checks their gradients agree.
 
 A healthy step pays one Python call per parameter and a lock read in it (``bench/step_overhead.py``).
 """
