@@ -734,7 +734,31 @@ def beyond_step(job: Job, t0: float, t1: float, accept: Callable[[dict[str, Any]
     return figures
 
 
-def join_figures(job: Job, t0: float, t1: float) -> dict[str, float]:
+# How long the join's report (rank 0's ``reconfigured``) may come after the first step line at the new size.
+_REPORT_WAIT_S = 5.0
+
+
+def pauses(job: Job, t0: float, t1: float, baseline_from: float = 0.0) -> dict[str, float]:
+    """The running group's pauses from ``t0`` to ``t1``: ``stall``, the longest interval between two step lines
+    that ends after ``t0`` and begins before ``t1``, less ``step_before``, the median of the 20 intervals before
+    ``t0`` (those that begin at ``baseline_from`` or later), and ``stall_total``, every such interval's excess over
+    that median summed. Empty without steps on both sides."""
+    nodes = job.launcher.nodes.values()
+    times = sorted(float(r["t"]) for n in nodes for r in n.out_records if r.get("event") == "step")
+    gaps = list(itertools.pairwise(times))
+    before = [b - a for a, b in gaps if b <= t0 and a >= baseline_from][-20:]
+    during = [b - a for a, b in gaps if b > t0 and a < t1]
+    if not (before and during):
+        return {}
+    typical = statistics.median(before)
+    return {
+        "step_before": round(typical, 3),
+        "stall": round(max(0.0, max(during) - typical), 3),
+        "stall_total": round(sum(max(0.0, g - typical) for g in during), 3),
+    }
+
+
+def join_figures(job: Job, t0: float, t1: float, baseline_from: float = 0.0) -> dict[str, float]:
     """How a join disturbed the running group, and how fast the joiner trained once it could.
 
     ``stall``: the longest interval between two step lines of the run from the join's start to the first step at
@@ -743,24 +767,26 @@ def join_figures(job: Job, t0: float, t1: float) -> dict[str, float]:
     while the joiner imports torch). ``ready_to_step``: from the joiner's workers being imported and prepared to
     their first step in the group (elasticd in place: its ``reconfigured`` figure; otherwise worker_ready to the
     first step)."""
-    nodes = job.launcher.nodes.values()
-    times = sorted(float(r["t"]) for n in nodes for r in n.out_records if r.get("event") == "step")
-    gaps = list(itertools.pairwise(times))
-    before = [b - a for a, b in gaps if b <= t0][-20:]
-    during = [b - a for a, b in gaps if b > t0 and a < t1]
-    figures: dict[str, float] = {}
-    if before and during:
-        typical = statistics.median(before)
-        figures["stall"] = round(max(0.0, max(during) - typical), 3)
-        figures["stall_total"] = round(sum(max(0.0, g - typical) for g in during), 3)
-    joined = [
-        float(e["seconds"])
-        for n in job.launcher.nodes.values()
-        for e in n.events("reconfigured")
-        if e.get("reason") == "join" and "seconds" in e and t0 < _stamp(e) and e.get("rank") == 0
-    ]
+    figures = pauses(job, t0, t1, baseline_from)
+
+    def joined_in_place() -> list[float] | None:
+        job.launcher.refresh()
+        found = [
+            float(e["seconds"])
+            for n in job.launcher.nodes.values()
+            for e in n.events("reconfigured")
+            if e.get("reason") == "join" and "seconds" in e and t0 < _stamp(e) and e.get("rank") == 0
+        ]
+        return found or None
+
+    joined: list[float] | None = None
+    if job.system == "elasticd":
+        # rank 0 logs the figure after its first step at the new size, and its daemon once that step's beat came:
+        # both a moment after the step line that ended the wait (a 1.2 GB job's step is seconds)
+        with contextlib.suppress(BenchTimeout):
+            joined = wait_until(joined_in_place, _REPORT_WAIT_S * job.workload.timeout_scale, "the join's report")
     ready = [t for n in job.launcher.nodes.values() for t in worker_ready_times(n) if t0 < t <= t1]
-    if joined and job.system == "elasticd":
+    if joined:
         figures["ready_to_step"] = round(max(joined), 3)
     elif ready:
         figures["ready_to_step"] = round(t1 - max(ready), 3)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.tables import checkpoint_table, goodput_table, hang_table, recovery_table, step_overhead_table
-from bench.tables_hot import collective_design_table, heal_table, recovery_memory_table
+from bench.tables_hot import collective_design_table, heal_table, join_contention_table, recovery_memory_table
 
 KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "recovery": recovery_table,
@@ -17,4 +17,5 @@ KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "heal": heal_table,
     "collective_design": collective_design_table,
     "recovery_memory": recovery_memory_table,
+    "join_contention": join_contention_table,
 }

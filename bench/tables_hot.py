@@ -107,3 +107,55 @@ def recovery_memory_table(results: dict[str, Any]) -> str:
         f" ended without the interpreter's teardown: {summary['teardown_skipped_total']}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def join_contention_table(results: dict[str, Any]) -> str:
+    """bench/join_contention.py: the running group's pauses while a stand-in starts (contention alone) and while a
+    real joiner joins, per trial, and their medians against the join target (issue 24: ``stall_total`` <= 1 s)."""
+    config, summary = results["config"], results["summary"]
+    lines = [
+        f"{provenance(results)}; {config['nodes']} ({config['network']}), examples/train.py's MLP at"
+        f" {config['parameters']:,} parameters, AdamW ({_bytes(config['state_bytes'])} of state); seconds of the"
+        " running group's steps: each interval's excess over the median interval before (`step before`), longest and"
+        " summed.",
+        "",
+    ]
+    body = []
+    for t in results["trials"]:
+        s, j = t["standin"], t["join"]
+        beyond = j["stall_total"] - s["stall_total"] if "stall_total" in j and "stall_total" in s else None
+        body.append(
+            [
+                t["trial"],
+                _num(s.get("seconds")),
+                _num(s.get("step_before")),
+                _num(s.get("stall_total")),
+                _num(j.get("step_before")),
+                _num(j.get("stall")),
+                _num(j.get("stall_total")),
+                _num(j.get("ready_to_step")),
+                _num(beyond),
+            ]
+        )
+    head = [
+        "trial",
+        "stand-in lived",
+        "step before",
+        "stand-in: pause in total",
+        "step before",
+        "join: longest pause",
+        "join: pause in total",
+        "joiner ready -> step",
+        "join less stand-in",
+    ]
+    total, alone = summary["join_stall_total"], summary["standin_stall_total"]
+    verdict = "met" if total is not None and total <= 1.0 else "MISSED"
+    lines += [
+        *_table(head, body),
+        "",
+        f"Medians: the join's pause in total **{_num(total)} s** (target <= 1.0 s: {verdict}); the stand-in's"
+        f" start alone, joining nothing, costs {_num(alone)} s; the joiner's ready -> first step"
+        f" {_num(summary['join_ready_to_step'])} s (target <= 1.5 s); the join beyond the stand-in"
+        f" {_num(summary['join_beyond_standin'])} s.",
+    ]
+    return "\n".join(lines) + "\n"

@@ -290,3 +290,81 @@ def test_a_node_whose_daemon_came_back_on_another_port_is_neither_dead_nor_repor
         watch.close()
         for listener in (worker, old, new):
             listener.close()
+
+
+@pytest.mark.parametrize("daemon_state", ["greets", "gone", "stopped"])
+def test_a_lapsed_lease_of_a_node_whose_daemon_greets_is_no_failure_until_the_grace_is_over(
+    etcd_client: EtcdClient, daemon_state: str
+) -> None:
+    # etcd that answers reads but is slow to write (its disk busy with a big checkpoint) lets a running node's lease
+    # expire; its daemon puts a new key back moments later. The watch greets that node's daemon before it believes the
+    # lease: a daemon that greets gets the grace; a gone one (refused) or a stopped one (silent) is believed at once.
+    node = f"lapse-{daemon_state}"
+    daemon = ProbeListener("127.0.0.1")
+    address = f"127.0.0.1:{daemon.port}"
+    stopped: subprocess.Popen[bytes] | None = None
+    if daemon_state == "gone":
+        daemon.close()
+    elif daemon_state == "stopped":  # a process of its own, SIGSTOPped: the kernel accepts, nobody greets
+        daemon.close()
+        stopped = subprocess.Popen([sys.executable, "-c", _LISTENER], stdout=subprocess.PIPE)
+        assert stopped.stdout is not None
+        address = f"127.0.0.1:{int(stopped.stdout.readline())}"
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_until(lambda: Path(f"/proc/{stopped.pid}/stat").read_text().split()[2] == "T", SETTLE_S, "stopped")
+    etcd_client.put(KEYS.node(node), json.dumps({"node_id": node, "probe": address}))
+    mine, theirs = NodeLease(etcd_client.reconnect(), KEYS, "lapse-me"), NodeLease(etcd_client.reconnect(), KEYS, node)
+    mine.start()
+    theirs.start()
+    grace_s = 2.0
+    watch = FailureWatch(
+        etcd_client,
+        KEYS,
+        "grp",
+        daemon_answers=Verdicts(etcd_client, KEYS, "grp").daemon_answers,
+        lapse_grace_s=grace_s,
+    )
+    try:
+        watch.follow(1, {"lapse-me", node})
+        time.sleep(0.3)
+        assert watch.reason() is None
+        theirs.close()  # its key goes, as an expiry takes it
+        gone_at = time.monotonic()
+        wait_until(watch.reason, grace_s + SETTLE_S, "the lease believed", poll_s=0.02)
+        waited_s = time.monotonic() - gone_at
+        assert watch.reason() == f"node liveness lease gone: {node}"
+        if daemon_state == "greets":
+            assert waited_s >= grace_s, waited_s  # not before the grace
+        else:
+            assert waited_s < grace_s, waited_s  # at once: the greeting alone decides
+    finally:
+        watch.close()
+        mine.close()
+        theirs.close()
+        daemon.close()
+        if stopped is not None:
+            stopped.kill()
+            stopped.wait(10)
+
+
+def test_a_lapsed_lease_put_back_within_the_grace_fails_nothing(etcd_client: EtcdClient) -> None:
+    daemon = ProbeListener("127.0.0.1")
+    etcd_client.put(KEYS.node("lapse-back"), json.dumps({"node_id": "lapse-back", "probe": f"127.0.0.1:{daemon.port}"}))
+    etcd_client.put(KEYS.membership_alive("lapse-me2"), "lapse-me2")
+    etcd_client.put(KEYS.membership_alive("lapse-back"), "lapse-back")
+    watch = FailureWatch(
+        etcd_client, KEYS, "grp", daemon_answers=Verdicts(etcd_client, KEYS, "grp").daemon_answers, lapse_grace_s=2.0
+    )
+    try:
+        watch.follow(1, {"lapse-me2", "lapse-back"})
+        time.sleep(0.3)
+        etcd_client.delete(KEYS.membership_alive("lapse-back"))  # lapsed
+        time.sleep(1.0)
+        etcd_client.put(KEYS.membership_alive("lapse-back"), "lapse-back")  # its daemon's new lease
+        time.sleep(2.5)  # past the grace counted from the lapse
+        assert watch.reason() is None
+    finally:
+        watch.close()
+        daemon.close()
+        for key in ("lapse-me2", "lapse-back"):
+            etcd_client.delete(KEYS.membership_alive(key))

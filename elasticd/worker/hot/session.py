@@ -161,7 +161,9 @@ class HotSession:
         self.membership = Membership(client, keys, clock=clock)
         self.health, self.holder = StepHealth(), GroupHolder()
         self.group = identity.group
-        self.watch = FailureWatch(client, keys, self.group)
+        self.verdicts = Verdicts(client, keys, self.group)
+        # a lease that lapsed while its node's daemon still greets is no failure at once (watch.py)
+        self.watch = FailureWatch(client, keys, self.group, daemon_answers=self.verdicts.daemon_answers)
         self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
         self.watch.on_reason(self.hook.nudge)
         # a discarded step leaves the objects registered for checkpointing as they were (registered.py)
@@ -172,7 +174,6 @@ class HotSession:
         self.epoch = 0
         self.members: tuple[str, ...] = ()
         self.rank = int(accelerator.process_index)
-        self.verdicts = Verdicts(client, keys, self.group)
         self._faults = faults
         self._heals = 0  # heals this process took part in (the fault injector counts by them)
         # one worker per node greets the next node's daemon (silence.py)

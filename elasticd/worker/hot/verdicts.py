@@ -24,6 +24,9 @@ from elasticd.node_records import read_nodes
 # A decider greets the daemon of a member that did not bid this long (seconds) before it takes the silence for a
 # stopped node: a running daemon's listener answers within milliseconds.
 DECIDE_GREET_TIMEOUT_S = 0.5
+# The failure watch greets the daemon of a node whose lease it saw gone this long (seconds) before it believes the
+# lease (``watch.py``): a running daemon's listener answers within milliseconds, as the silence watch expects.
+LAPSE_GREET_TIMEOUT_S = 0.25
 
 
 class Verdicts:
@@ -86,6 +89,11 @@ class Verdicts:
             if current != address:
                 answer = greet(current, DECIDE_GREET_TIMEOUT_S)
         return answer in (Probe.REFUSED, Probe.SILENT)
+
+    def daemon_answers(self, node: str, timeout_s: float = LAPSE_GREET_TIMEOUT_S) -> bool:
+        """Does ``node``'s daemon greet now (at its address as first read)? False without a known address."""
+        address = self.daemon_address(node)
+        return address is not None and greet(address, timeout_s) is Probe.ACCEPTED
 
     def _read_daemons(self) -> None:
         for record in read_nodes(self._client, self._keys):

@@ -40,6 +40,14 @@ _RETRY_S = 0.5
 # its key back (agent/node_lease.py): seen in the suite, two of three nodes taken for dead 1 s after quorum returned,
 # and the group broke up. A node that really died meanwhile is found this much later.
 OUTAGE_GRACE_S = 5.0
+# A lease seen gone while its node's daemon still greets is believed only once it has stayed gone this long (seconds),
+# looked at again every LAPSE_RECHECK_S. etcd that answers reads but is slow to write (its disk busy with a 1.2 GB
+# checkpoint's write-back: bench/join_contention.py saw every node's lease refresh time out at once, and the group
+# fail a step and re-form around the same two nodes) lets a running node's lease expire; its daemon grants a new one
+# and puts its key back as soon as etcd answers again (agent/node_lease.py). A daemon that is gone (refused) or stopped
+# (silent) is believed at once: a killed or vanished node is found as before.
+LAPSE_GRACE_S = 5.0
+LAPSE_RECHECK_S = 0.25
 
 
 class FailureWatch:
@@ -52,9 +60,16 @@ class FailureWatch:
         group: str,
         *,
         outage_grace_s: float = OUTAGE_GRACE_S,
+        daemon_answers: Callable[[str], bool] = lambda _node: False,
+        lapse_grace_s: float = LAPSE_GRACE_S,
     ) -> None:
+        """``daemon_answers(node)``: does that node's daemon greet now (``verdicts.py``); without it every lease
+        seen gone is believed at once."""
         self._client = client
         self._outage_grace_s = outage_grace_s
+        self._daemon_answers = daemon_answers
+        self._lapse_grace_s = lapse_grace_s
+        self._gone_since: dict[str, float] = {}  # nodes whose lease is gone while their daemon greets: since when
         self._trusted_from = 0.0  # leases seen gone before this time (after an etcd error of ours) are not believed
         self._recheck_at: float | None = None  # a lease seen gone inside the grace: look again then
         self._keys = keys
@@ -78,6 +93,7 @@ class FailureWatch:
         with self._lock:
             self._epoch, self._nodes, self._reason, self._joiners = epoch, frozenset(nodes), None, 0
             self._leaving = frozenset()
+            self._gone_since = {}
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elasticd-hot-watch", daemon=True)
             self._thread.start()
@@ -112,6 +128,19 @@ class FailureWatch:
                 self._trusted_from = time.monotonic() + self._outage_grace_s
                 self._stop.wait(_RETRY_S)
 
+    def _believed(self, gone: list[str]) -> list[str]:
+        """The nodes of ``gone`` (lease keys missing) taken for gone: every one whose daemon does not greet, and
+        those whose lease has stayed gone for the lapse grace although their daemon greets."""
+        now = time.monotonic()
+        self._gone_since = {node: self._gone_since.get(node, now) for node in gone}
+        believed = []
+        for node in gone:
+            if now - self._gone_since[node] >= self._lapse_grace_s or not self._daemon_answers(node):
+                believed.append(node)
+        if len(believed) < len(gone):  # a lapse: look again soon (nothing may change in etcd meanwhile)
+            self._recheck_at = time.monotonic() + LAPSE_RECHECK_S
+        return believed
+
     def _evaluate(self) -> None:
         with self._lock:
             epoch, nodes = self._epoch, self._nodes
@@ -123,8 +152,8 @@ class FailureWatch:
             gone = sorted(nodes - alive)
             if gone and time.monotonic() < self._trusted_from:
                 self._recheck_at = self._trusted_from  # just after an outage: gone for good only if still gone then
-            elif gone:
-                reason = f"node liveness lease gone: {', '.join(gone)}"
+            elif believed := self._believed(gone):
+                reason = f"node liveness lease gone: {', '.join(believed)}"
         bids = self._client.get_prefix(self._keys.membership_bids_prefix(epoch + 1))
         joiners = sum(1 for _, raw, _ in bids if Bid.decode(raw).old_rank is None)
         leaving = {raw.decode() for _, raw, _ in self._client.get_prefix(self._keys.membership_leaving_prefix)}
