@@ -8,14 +8,19 @@ steps would have had. On separate hosts, as in production, that cost does not ex
 This benchmark measures it on its own, then the real join, in one job (bench/recovery.py's 1.2 GB elasticd job, 2
 nodes of one worker, loopback, embedded etcd):
 
-1. **stand-in**: a third ``elasticd start`` of the same command line, but of a run of its own (another run id,
-   ``--min-nodes 1 --max-nodes 1``) and ``--epochs 0``: its daemon starts, rendezvouses alone, starts its worker,
-   which imports the same libraries, builds and prepares the same model and optimizer and ends before a first step.
-   It joins nothing: the pause it causes, from its spawn to its exit, is contention alone (``stall_total``, with
-   bench/recovery.py's arithmetic: every step interval's excess over the median of the 20 before). It does less than
-   a joiner (no AdamW moments allocated, no heal), so it is a lower bound of the joiner's own start;
-2. **join**: then a real third node of the job (bench/recovery.py's ``join_large`` measurement): its
-   ``stall_total``, longest pause (``stall``) and ``ready_to_step``.
+1. **stand-in**: once the job has trained :data:`BASELINE_STEPS` steps, a third ``elasticd start`` of the same
+   command line, but of a run of its own (another run id, ``--min-nodes 1 --max-nodes 1``) and ``--epochs 0``: its
+   daemon starts, rendezvouses alone, starts its worker, which imports the same libraries, builds and prepares the
+   same model and optimizer and ends before a first step. It joins nothing: the pause it causes, from its spawn to
+   its exit, is contention alone (``stall_total``, with bench/recovery.py's arithmetic: every step interval's excess
+   over the median of the intervals before, ``step_before``). It does less than a joiner (no AdamW moments
+   allocated, no heal), so it is a lower bound of the joiner's own start;
+2. **join**: once the job has trained :data:`BASELINE_STEPS` more steps, a real third node of the job: the running
+   group's ``stall_total`` and longest pause (``stall``), against the intervals after the stand-in's end; rank 0's
+   ``ready_to_step`` (its ``reconfigured`` figure: from the members' decision to admit to the end of the first step
+   at 3, a whole step of 3 workers on 2 cores included); and the joiner's ``ready_to_member``, from its warm worker's
+   bid (``join_requested``) to its being a healed member (``regrouped``): the wait for the step boundary the members
+   agree on, then the admission.
 
 The difference between the two totals is what the join costs beyond the joiner's start on shared cores: re-forming,
 the heal and the joiner's extra work. Nothing is asserted (a benchmark, not a test).
@@ -55,6 +60,7 @@ from bench.recovery import (
     MIN_NODES,
     STARTUP_TIMEOUT_S,
     ElasticdJob,
+    _stamp,
     first_step_at,
     join_figures,
     pauses,
@@ -107,7 +113,13 @@ def measure_join(job: ElasticdJob, calm_from: float) -> dict[str, Any]:
     if step is None:
         return {"note": f"did not join within {recovery_timeout_s(job):g} s"}
     t1 = float(step["t"])
-    return {"seconds": round(t1 - t0, 3), **join_figures(job, t0, t1, baseline_from=calm_from)}
+    figures = {"seconds": round(t1 - t0, 3), **join_figures(job, t0, t1, baseline_from=calm_from)}
+    # the joiner's own view: warm and asking (join_requested) until a member of the group, healed (regrouped)
+    asked = [_stamp(e) for e in joiner.events("join_requested")]
+    member = [_stamp(e) for e in joiner.events("regrouped")]
+    if asked and member:
+        figures["ready_to_member"] = round(member[0] - asked[0], 3)
+    return figures
 
 
 def wait_steps_after(job: ElasticdJob, t: float, count: int) -> float:
@@ -159,6 +171,7 @@ def summarise(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "join_stall_total": median("join", "stall_total"),
         "join_stall": median("join", "stall"),
         "join_ready_to_step": median("join", "ready_to_step"),
+        "join_ready_to_member": median("join", "ready_to_member"),
         "join_beyond_standin": round(statistics.median(beyond), 3) if beyond else None,
     }
 

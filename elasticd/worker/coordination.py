@@ -27,6 +27,11 @@ from elasticd.worker.hot.given_up import GIVEN_UP
 
 # Seconds of training between sync points; the all-reduce overlaps training, its launch costs a few µs.
 TARGET_SYNC_S = 0.25
+# Steps at least this long (rank 0's average, agreed like the interval) make a sync point wait for its own all-reduce
+# and act on it at once: ~1-1.5 ms on gloo, under 0.3 % of such a step, and a join, a leave or a checkpoint request
+# takes effect a step sooner. At one step per sync point, acting on the previous sync point's values costs a whole
+# step: 2.5-4 s of a joiner's wait on the 1.2 GB benchmark job (bench/join_contention.py).
+BLOCKING_STEP_S = 0.5
 MAX_INTERVAL_STEPS = 1000
 REQUEST_SIGNAL = signal.SIGUSR2
 # Seconds a worker waits, after the checkpoint its daemon asked for, to be stopped for the planned change. Past it
@@ -65,6 +70,7 @@ class Coordinator:
         self._next_sync = 0
         self._last_checkpoint = clock()
         self._step_time_s = 0.0
+        self._blocking = False  # agreed at the last sync point: this one waits for its own all-reduce
         # the all-reduce started at the last sync point, its flags and the group it runs in
         self._pending: tuple[Any, torch.Tensor, Any] | None = None
         # Hot recovery sets it: a failed agreement is then a failed step (re-formed in place), not an exception.
@@ -121,6 +127,7 @@ class Coordinator:
         self._collective = world_size > 1
         self._pending = None
         self._next_sync = 0
+        self._blocking = False  # a joiner's coordinator has agreed nothing yet: every member starts async again
 
     def _wanted_interval(self) -> int:
         if self._step_time_s <= 0:
@@ -133,34 +140,58 @@ class Coordinator:
     def _agree(
         self, requested: bool, time_due: bool, interval: int, join: bool = False
     ) -> tuple[bool, bool, int, bool]:
-        """Any rank's request or join counts; rank 0's clock and interval count (so every rank agrees on both).
+        """Any rank's request or join counts; rank 0's clock, interval and blocking count (so every rank agrees).
 
-        Returns the values agreed at the previous sync point (nothing the first time), and starts the next round.
+        Returns the values agreed at the previous sync point (nothing the first time) and starts the next round;
+        with steps of :data:`BLOCKING_STEP_S` or longer, waits for that round too and returns both agreed together.
         """
         if not self._collective:
             return requested, time_due, interval, join
         leader = self.rank == 0
+        blocking = leader and self._step_time_s >= BLOCKING_STEP_S
         flags = torch.tensor(
-            [float(requested), float(time_due and leader), float(interval if leader else 0), float(join)],
+            [float(requested), float(time_due and leader), float(interval if leader else 0), float(join), blocking],
             dtype=torch.float64,
         )
         if dist.get_backend() == "nccl":
             flags = flags.cuda()
-        agreed = (False, False, 1, False)
+        agreed: tuple[bool, bool, int, bool] = (False, False, 1, False)
         if self._pending is not None:
             work, previous, _ = self._pending
-            try:
-                work.wait()
-            except RuntimeError as exc:  # a peer is gone
-                if self.on_failure is None:
-                    raise
-                self._pending = None
-                self.on_failure(f"checkpoint agreement failed: {exc}")
+            self._pending = None
+            if not self._waited(work):
                 return agreed
-            values = previous.tolist()
-            agreed = (values[0] > 0, values[1] > 0, max(1, int(values[2])), values[3] > 0)
-        self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True), flags, dist.group.WORLD)
-        return agreed
+            agreed = self._decoded(previous, agreed)
+        work = dist.all_reduce(flags, op=dist.ReduceOp.SUM, async_op=True)
+        if not self._blocking:  # mode agreed before this sync point: the same on every rank
+            self._pending = (work, flags, dist.group.WORLD)
+            return agreed
+        if not self._waited(work):
+            return agreed
+        return self._decoded(flags, agreed)
+
+    def _waited(self, work: Any) -> bool:
+        """Wait for one agreement; False (the step failed, with hot recovery) when a peer is gone."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            if self.on_failure is None:
+                raise
+            self.on_failure(f"checkpoint agreement failed: {exc}")
+            return False
+        return True
+
+    def _decoded(self, flags: torch.Tensor, earlier: tuple[bool, bool, int, bool]) -> tuple[bool, bool, int, bool]:
+        """The values of one agreement, with what an ``earlier`` one agreed (any request counts), and the mode of the
+        next sync point."""
+        values = flags.tolist()
+        self._blocking = values[4] > 0
+        return (
+            earlier[0] or values[0] > 0,
+            earlier[1] or values[1] > 0,
+            max(1, int(values[2])),
+            earlier[3] or values[3] > 0,
+        )
 
 
 def park(slot: SlotWriter, log: Any, step: int, timeout_s: float = PARK_TIMEOUT_S) -> None:

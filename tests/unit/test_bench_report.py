@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from bench import checkpoint, goodput, goodput_figures, hang, recovery, step_overhead, workloads
+from bench import checkpoint, goodput, goodput_figures, hang, join_contention, recovery, step_overhead, workloads
 from bench.common import Launcher
 from bench.recovery_memory import summarise
 from bench.report import _BLOCK, DOC, ROOT, load, main, render, tables_outside_blocks
@@ -175,6 +175,7 @@ def test_every_kind_names_its_commit_on_its_first_line() -> None:
         "heal",
         "collective_design",
         "recovery_memory",
+        "join_contention",
     }
     dirty = {**_hang_results(), "code": {"commit": "abc1234", "uncommitted_changes": True}}
     assert hang_table(dirty).splitlines()[0].startswith("Measured on commit abc1234 plus uncommitted changes")
@@ -420,3 +421,33 @@ def test_the_memory_table_judges_growth_from_the_first_cycle_against_the_state()
     samples[-1]["pid"] = 8  # a restarted worker's RSS is no survivor's
     results["summary"] = summarise({**results, "teardown_skipped": {}, "recoveries": []}, state_bytes=400 * mib)
     assert "(target < 5 %: MISSED)" in KINDS["recovery_memory"](results)
+
+
+def _contention_results(standin: list[float], join: list[float]) -> dict[str, Any]:
+    """bench/join_contention.py's file: per trial the stand-in's and the join's pauses in total."""
+    trials = [
+        {
+            "trial": i + 1,
+            "standin": {"seconds": 16.0, "step_before": 2.5, "stall": 4.0, "stall_total": s},
+            "join": {"seconds": 22.0, "step_before": 2.6, "stall": 1.5, "stall_total": j, "ready_to_step": 6.5},
+        }
+        for i, (s, j) in enumerate(zip(standin, join, strict=True))
+    ]
+    return {
+        "code": {"commit": "abc1234", "uncommitted_changes": False},
+        "machine": {"cpus": 2, "python": "3.11.7"},
+        "versions": {"torch": "2.13.0+cpu"},
+        "config": {"parameters": 100, "state_bytes": 1200, "nodes": "2 running", "network": "one host"},
+        "trials": trials,
+        "summary": join_contention.summarise(trials),
+    }
+
+
+def test_the_join_contention_table_shows_each_trial_and_judges_the_joins_median_total() -> None:
+    table = KINDS["join_contention"](_contention_results([9.0, 11.0, 8.0], [6.0, 7.5, 0.9]))
+    assert table.startswith("Measured on commit abc1234,")
+    assert "| 2 | 16.00 | 2.50 | 11.00 | 2.60 | 1.50 | 7.50 | 6.50 | -3.50 |" in table
+    assert "pause in total **6.00 s** (target <= 1.0 s: MISSED)" in table
+    assert "start alone, joining nothing, costs 9.00 s" in table
+    met = KINDS["join_contention"](_contention_results([1.0], [0.8]))
+    assert "(target <= 1.0 s: met)" in met
