@@ -69,7 +69,7 @@ def test_rollback_steps_over_the_batches_of_poisoned_samples_and_trains_every_ot
         assert node.wait(150) == 0, c.diagnostics()
         events = list(read_json_lines(node.err))
         worker: list[dict[str, Any]] = [e for e in events if "node_id" not in e and "rank" in e]
-        daemon = [(e.get("event"), e.get("round")) for e in events if "node_id" in e]
+        daemon = [(e.get("event"), e.get("round", -1)) for e in events if "node_id" in e]
 
     first_bad = BAD_EPOCH * STEPS_PER_EPOCH + BAD_STEPS_IN_EPOCH[0] + 1  # global step number of the first bad batch
     nonfinite = [(e["step"], e["action"]) for e in worker if e.get("event") == "nonfinite_step" and e["rank"] == 0]
@@ -83,11 +83,12 @@ def test_rollback_steps_over_the_batches_of_poisoned_samples_and_trains_every_ot
     # One round of workers: the rollback happened in place, not through a restart. The round's number is the
     # rendezvous's, not 0 by rule: a round abandoned before its workers start (a keep-alive or token write that a
     # loaded host let lapse, agent/supervisor.py) moves it on without a failure (CI saw round 1 once).
-    started = [round_ for event, round_ in daemon if event == "workers_started"]
+    started = [int(round_) for event, round_ in daemon if event == "workers_started"]
     assert len(started) == 1, daemon
+    (round_,) = started
     tries = attempts(record)
-    assert sorted(tries) == [(started[0], 0), (started[0], 1)], (sorted(tries), daemon)  # a try after the rollback
-    before, after = tries[(started[0], 0)], tries[(started[0], 1)]
+    assert sorted(tries) == [(round_, 0), (round_, 1)], (sorted(tries), daemon)  # a try after the rollback
+    before, after = tries[(round_, 0)], tries[(round_, 1)]
     assert max(before) == first_bad + 2 and min(after) == 11
     # the steps between the checkpoint and the bad batches are trained again, on the same samples
     for step in range(11, first_bad):
