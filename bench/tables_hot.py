@@ -134,6 +134,7 @@ def join_contention_table(results: dict[str, Any]) -> str:
                 _num(j.get("stall")),
                 _num(j.get("stall_total")),
                 _num(j.get("ready_to_step")),
+                _num(j.get("ready_to_member")),
                 _num(beyond),
             ]
         )
@@ -145,7 +146,8 @@ def join_contention_table(results: dict[str, Any]) -> str:
         "step before",
         "join: longest pause",
         "join: pause in total",
-        "joiner ready -> step",
+        "rank 0: admitted -> first step's end",
+        "joiner: bid -> member",
         "join less stand-in",
     ]
     total, alone = summary["join_stall_total"], summary["standin_stall_total"]
@@ -154,8 +156,9 @@ def join_contention_table(results: dict[str, Any]) -> str:
         *_table(head, body),
         "",
         f"Medians: the join's pause in total **{_num(total)} s** (target <= 1.0 s: {verdict}); the stand-in's"
-        f" start alone, joining nothing, costs {_num(alone)} s; the joiner's ready -> first step"
-        f" {_num(summary['join_ready_to_step'])} s (target <= 1.5 s); the join beyond the stand-in"
-        f" {_num(summary['join_beyond_standin'])} s.",
+        f" start alone, joining nothing, costs {_num(alone)} s; the joiner's bid -> member"
+        f" {_num(summary.get('join_ready_to_member'))} s, rank 0's admitted -> first step's end"
+        f" {_num(summary['join_ready_to_step'])} s (target for ready -> first step <= 1.5 s); the join beyond the"
+        f" stand-in {_num(summary['join_beyond_standin'])} s.",
     ]
     return "\n".join(lines) + "\n"

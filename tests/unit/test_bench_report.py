@@ -429,7 +429,14 @@ def _contention_results(standin: list[float], join: list[float]) -> dict[str, An
         {
             "trial": i + 1,
             "standin": {"seconds": 16.0, "step_before": 2.5, "stall": 4.0, "stall_total": s},
-            "join": {"seconds": 22.0, "step_before": 2.6, "stall": 1.5, "stall_total": j, "ready_to_step": 6.5},
+            "join": {
+                "seconds": 22.0,
+                "step_before": 2.6,
+                "stall": 1.5,
+                "stall_total": j,
+                "ready_to_step": 6.5,
+                "ready_to_member": 3.5,
+            },
         }
         for i, (s, j) in enumerate(zip(standin, join, strict=True))
     ]
@@ -446,7 +453,7 @@ def _contention_results(standin: list[float], join: list[float]) -> dict[str, An
 def test_the_join_contention_table_shows_each_trial_and_judges_the_joins_median_total() -> None:
     table = KINDS["join_contention"](_contention_results([9.0, 11.0, 8.0], [6.0, 7.5, 0.9]))
     assert table.startswith("Measured on commit abc1234,")
-    assert "| 2 | 16.00 | 2.50 | 11.00 | 2.60 | 1.50 | 7.50 | 6.50 | -3.50 |" in table
+    assert "| 2 | 16.00 | 2.50 | 11.00 | 2.60 | 1.50 | 7.50 | 6.50 | 3.50 | -3.50 |" in table
     assert "pause in total **6.00 s** (target <= 1.0 s: MISSED)" in table
     assert "start alone, joining nothing, costs 9.00 s" in table
     met = KINDS["join_contention"](_contention_results([1.0], [0.8]))
