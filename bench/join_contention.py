@@ -25,9 +25,12 @@ nodes of one worker, loopback, embedded etcd):
 The difference between the two totals is what the join costs beyond the joiner's start on shared cores: re-forming,
 the heal and the joiner's extra work. Nothing is asserted (a benchmark, not a test).
 
-    python bench/join_contention.py [--trials 3] [--json OUT] [--logs DIR]
+    python bench/join_contention.py [--trials 3] [--workload large|small] [--json OUT] [--logs DIR]
 
-Raw results: ``bench/results/join-contention-<short commit>[-dirty].json``; docs/benchmarks.md's table is
+``--workload small`` runs the same on bench/recovery.py's 8 kB job (its baselines: :data:`SMALL_BASELINE_STEPS`
+steps of ~0.06 s).
+
+Raw results: ``bench/results/join-contention-<short commit>[-small][-dirty].json``; docs/benchmarks.md's table is
 generated from it (``python bench/report.py``).
 """
 
@@ -69,7 +72,7 @@ from bench.recovery import (
     start_job,
     wait_steady,
 )
-from bench.workloads import LARGE
+from bench.workloads import LARGE, SMALL, Workload
 
 STANDIN = "standin"
 # The stand-in ends on its own: a daemon start, a world of one, a model built, no step (~20 s here).
@@ -77,6 +80,9 @@ STANDIN_TIMEOUT_S = 240.0
 # Step intervals each pause is judged against: the stand-in's before it, the join's after the stand-in's effect
 # (the job's first steps run at 2.8 s here, its steps under a starting process's contention at over 4 s).
 BASELINE_STEPS = 8
+# The 8 kB job's steps take ~0.06 s: its baselines are this many steps (a few seconds).
+SMALL_BASELINE_STEPS = 40
+WORKLOADS = {"large": LARGE, "small": SMALL}
 # A step of the 1.2 GB job takes seconds; one may take this long (seconds) before the benchmark gives up.
 STEP_TIMEOUT_S = 60.0
 
@@ -138,18 +144,19 @@ def wait_steps_after(job: ElasticdJob, t: float, count: int) -> float:
     return wait_until(steps, STEP_TIMEOUT_S * count, f"{count} steps")[0]
 
 
-def run_trial(trial: int, workdir: Path, code: Path) -> dict[str, Any]:
+def run_trial(trial: int, workdir: Path, code: Path, workload: Workload = LARGE) -> dict[str, Any]:
     run_id = f"bench-contention-{trial}-{uuid.uuid4().hex[:6]}"
     print(f"[trial {trial}] starting the large job", file=sys.stderr)
     with ExitStack() as stack:
-        job = start_job(stack, "elasticd", workdir / f"trial-{trial}", run_id, code, LARGE)
+        job = start_job(stack, "elasticd", workdir / f"trial-{trial}", run_id, code, workload)
+        baseline = BASELINE_STEPS if workload is LARGE else SMALL_BASELINE_STEPS
         assert isinstance(job, ElasticdJob)
         job.start_initial()
         wait_steady(job, MIN_NODES, since=0.0, timeout_s=STARTUP_TIMEOUT_S)
-        wait_steps_after(job, 0.0, BASELINE_STEPS + 1)
+        wait_steps_after(job, 0.0, baseline + 1)
         standin, calm_from = measure_standin(job)
         print(f"[trial {trial}] stand-in: {standin}", file=sys.stderr)
-        wait_steps_after(job, calm_from, BASELINE_STEPS + 1)  # a baseline of the join's own, without the stand-in
+        wait_steps_after(job, calm_from, baseline + 1)  # a baseline of the join's own, without the stand-in
         join = measure_join(job, calm_from)
         print(f"[trial {trial}] join: {join}", file=sys.stderr)
         return {"trial": trial, "standin": standin, "join": join}
@@ -179,20 +186,23 @@ def summarise(trials: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="large", help="the 1.2 GB job or the 8 kB one")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     revision = code_revision()
+    workload = WORKLOADS[args.workload]
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="elasticd-contention-") as tmp:
         workdir = args.logs or Path(tmp)
         code = snapshot_code(Path(tmp) / "code")
-        trials = [run_trial(trial, workdir, code) for trial in range(1, args.trials + 1)]
+        trials = [run_trial(trial, workdir, code, workload) for trial in range(1, args.trials + 1)]
     report = {
         **report_header("join_contention.py", argv, revision),
         "config": {
-            "parameters": LARGE.parameters,
-            "state_bytes": LARGE.state_bytes,
+            "workload": workload.name,
+            "parameters": workload.parameters,
+            "state_bytes": workload.state_bytes,
             "nodes": "2 running, 1 stand-in or joiner; one worker each",
             "network": "loopback (127.0.0.1), one host",
         },
@@ -200,7 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trials": trials,
         "summary": summarise(trials),
     }
-    write_results(args.json or results_path("join-contention", revision), report)
+    tag = "" if workload is LARGE else workload.name
+    write_results(args.json or results_path("join-contention", revision, tag), report)
     print(report["summary"], file=sys.stderr)
     return 0
 
