@@ -25,18 +25,23 @@ nodes of one worker, loopback, embedded etcd):
 The difference between the two totals is what the join costs beyond the joiner's start on shared cores: re-forming,
 the heal and the joiner's extra work. Nothing is asserted (a benchmark, not a test).
 
-    python bench/join_contention.py [--trials 3] [--workload large|small] [--json OUT] [--logs DIR]
+    python bench/join_contention.py [--trials 3] [--workload large|small] [--cpus GROUP:JOINER] [--json OUT]
+                                    [--logs DIR]
 
 ``--workload small`` runs the same on bench/recovery.py's 8 kB job (its baselines: :data:`SMALL_BASELINE_STEPS`
-steps of ~0.06 s).
+steps of ~0.06 s). ``--cpus 0:1`` gives the joiner a core of its own, as a host of its own would: the benchmark, etcd
+and the two running nodes (their daemons and workers) on CPU 0, the stand-in and the joiner on CPU 1 (``taskset``).
+The running workers then share one core (their steps take about twice as long) before and after the join alike, and
+the stand-in's pause shows what contention is left.
 
-Raw results: ``bench/results/join-contention-<short commit>[-small][-dirty].json``; docs/benchmarks.md's table is
-generated from it (``python bench/report.py``).
+Raw results: ``bench/results/join-contention-<short commit>[-small][pinned][-dirty].json``; docs/benchmarks.md's
+table is generated from it (``python bench/report.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -97,11 +102,16 @@ def standin_command(job: ElasticdJob) -> list[str]:
     return [*cmd, "--epochs", "0"]  # the script's last --epochs wins (argparse)
 
 
-def measure_standin(job: ElasticdJob) -> tuple[dict[str, Any], float]:
+def pinned(cmd: list[str], cpus: str | None) -> list[str]:
+    """``cmd`` run on ``cpus`` only (``taskset -c``), or as it is without them."""
+    return ["taskset", "-c", cpus, *cmd] if cpus else cmd
+
+
+def measure_standin(job: ElasticdJob, cpus: str | None = None) -> tuple[dict[str, Any], float]:
     """The stand-in's life and the running group's pauses during it (against the steps before it); and when the
     group's steps were calm again after it (unix s)."""
     quiet_moment()
-    node = job.launcher.start(STANDIN, standin_command(job))
+    node = job.launcher.start(STANDIN, pinned(standin_command(job), cpus))
     t0 = node.started_at
     wait_until(lambda: True if node.proc.poll() is not None else None, STANDIN_TIMEOUT_S, "the stand-in's end", 0.1)
     t1 = time.time()
@@ -110,10 +120,11 @@ def measure_standin(job: ElasticdJob) -> tuple[dict[str, Any], float]:
     return figures, calm_from
 
 
-def measure_join(job: ElasticdJob, calm_from: float) -> dict[str, Any]:
+def measure_join(job: ElasticdJob, calm_from: float, cpus: str | None = None) -> dict[str, Any]:
     """A real third node of the job: its pauses against the steps after ``calm_from``, its ready -> first step."""
     quiet_moment()
-    joiner = job.start_node()
+    name = f"n{len(job.launcher.nodes)}"
+    joiner = job.launcher.start(name, pinned(job.node_command(name), cpus), job.env())
     t0 = joiner.started_at
     step = first_step_at(job, MAX_NODES, t0)
     if step is None:
@@ -144,9 +155,11 @@ def wait_steps_after(job: ElasticdJob, t: float, count: int) -> float:
     return wait_until(steps, STEP_TIMEOUT_S * count, f"{count} steps")[0]
 
 
-def run_trial(trial: int, workdir: Path, code: Path, workload: Workload = LARGE) -> dict[str, Any]:
+def run_trial(
+    trial: int, workdir: Path, code: Path, workload: Workload = LARGE, joiner_cpus: str | None = None
+) -> dict[str, Any]:
     run_id = f"bench-contention-{trial}-{uuid.uuid4().hex[:6]}"
-    print(f"[trial {trial}] starting the large job", file=sys.stderr)
+    print(f"[trial {trial}] starting the {workload.name} job", file=sys.stderr)
     with ExitStack() as stack:
         job = start_job(stack, "elasticd", workdir / f"trial-{trial}", run_id, code, workload)
         baseline = BASELINE_STEPS if workload is LARGE else SMALL_BASELINE_STEPS
@@ -154,10 +167,10 @@ def run_trial(trial: int, workdir: Path, code: Path, workload: Workload = LARGE)
         job.start_initial()
         wait_steady(job, MIN_NODES, since=0.0, timeout_s=STARTUP_TIMEOUT_S)
         wait_steps_after(job, 0.0, baseline + 1)
-        standin, calm_from = measure_standin(job)
+        standin, calm_from = measure_standin(job, joiner_cpus)
         print(f"[trial {trial}] stand-in: {standin}", file=sys.stderr)
         wait_steps_after(job, calm_from, baseline + 1)  # a baseline of the join's own, without the stand-in
-        join = measure_join(job, calm_from)
+        join = measure_join(job, calm_from, joiner_cpus)
         print(f"[trial {trial}] join: {join}", file=sys.stderr)
         return {"trial": trial, "standin": standin, "join": join}
 
@@ -187,16 +200,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="large", help="the 1.2 GB job or the 8 kB one")
+    parser.add_argument(
+        "--cpus",
+        default=None,
+        metavar="GROUP:JOINER",
+        help="e.g. 0:1: the benchmark, etcd and the running nodes on GROUP, the stand-in and the joiner on JOINER",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--logs", type=Path, default=None, help="keep the nodes' logs here (default: a temp dir)")
     args = parser.parse_args(argv)
     revision = code_revision()
     workload = WORKLOADS[args.workload]
+    joiner_cpus = None
+    if args.cpus:
+        group, _, joiner_cpus = args.cpus.partition(":")
+        if not group or not joiner_cpus:
+            parser.error("--cpus takes GROUP:JOINER, e.g. 0:1")
+        # every process started from here on (etcd, the running nodes) inherits it; the joiner's taskset widens
+        os.sched_setaffinity(0, {int(c) for c in group.split(",")})
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="elasticd-contention-") as tmp:
         workdir = args.logs or Path(tmp)
         code = snapshot_code(Path(tmp) / "code")
-        trials = [run_trial(trial, workdir, code, workload) for trial in range(1, args.trials + 1)]
+        trials = [run_trial(trial, workdir, code, workload, joiner_cpus) for trial in range(1, args.trials + 1)]
     report = {
         **report_header("join_contention.py", argv, revision),
         "config": {
@@ -205,12 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "state_bytes": workload.state_bytes,
             "nodes": "2 running, 1 stand-in or joiner; one worker each",
             "network": "loopback (127.0.0.1), one host",
+            "cpus": args.cpus or "all, shared",
         },
         "duration_s": round(time.time() - started, 1),
         "trials": trials,
         "summary": summarise(trials),
     }
-    tag = "" if workload is LARGE else workload.name
+    tag = ("" if workload is LARGE else workload.name) + ("pinned" if joiner_cpus else "")
     write_results(args.json or results_path("join-contention", revision, tag), report)
     print(report["summary"], file=sys.stderr)
     return 0

@@ -114,7 +114,8 @@ def join_contention_table(results: dict[str, Any]) -> str:
     real joiner joins, per trial, and their medians against the join target (issue 24: ``stall_total`` <= 1 s)."""
     config, summary = results["config"], results["summary"]
     lines = [
-        f"{provenance(results)}; {config['nodes']} ({config['network']}), examples/train.py's MLP at"
+        f"{provenance(results)}; {config['nodes']} ({config['network']}; CPUs: {config.get('cpus', 'all, shared')}),"
+        " examples/train.py's MLP at"
         f" {config['parameters']:,} parameters, AdamW ({_bytes(config['state_bytes'])} of state); seconds of the"
         " running group's steps: each interval's excess over the median interval before (`step before`), longest and"
         " summed.",
