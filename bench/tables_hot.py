@@ -152,14 +152,16 @@ def join_contention_table(results: dict[str, Any]) -> str:
         "join less stand-in",
     ]
     total, alone = summary["join_stall_total"], summary["standin_stall_total"]
-    verdict = "met" if total is not None and total <= 1.0 else "MISSED"
+    # issue 24's targets on the 1.2 GB job; the 8 kB job keeps issue 11's (0.5 s each)
+    target, ready_target = (0.5, 0.5) if config.get("workload") == "small" else (1.0, 1.5)
+    verdict = "met" if total is not None and total <= target else "MISSED"
     lines += [
         *_table(head, body),
         "",
-        f"Medians: the join's pause in total **{_num(total)} s** (target <= 1.0 s: {verdict}); the stand-in's"
+        f"Medians: the join's pause in total **{_num(total)} s** (target <= {target:g} s: {verdict}); the stand-in's"
         f" start alone, joining nothing, costs {_num(alone)} s; the joiner's bid -> member"
         f" {_num(summary.get('join_ready_to_member'))} s, rank 0's admitted -> first step's end"
-        f" {_num(summary['join_ready_to_step'])} s (target for ready -> first step <= 1.5 s); the join beyond the"
-        f" stand-in {_num(summary['join_beyond_standin'])} s.",
+        f" {_num(summary['join_ready_to_step'])} s (target for ready -> first step <= {ready_target:g} s); the join"
+        f" beyond the stand-in {_num(summary['join_beyond_standin'])} s.",
     ]
     return "\n".join(lines) + "\n"
