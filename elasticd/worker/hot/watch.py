@@ -9,7 +9,8 @@ flight is released too:
 
 - ``membership/notice/<epoch>``: a member of the current epoch saw its step fail (it writes the key first thing);
 - ``membership/alive/<node>`` gone for a node of a current member: that node's daemon stopped refreshing its
-  one-second lease (``agent/node_lease.py``).
+  one-second lease (``agent/node_lease.py``); believed at once unless that daemon still greets (a lapse, see
+  :data:`LAPSE_GRACE_S`).
 
 It also counts the joiners that bid for the next epoch (:meth:`FailureWatch.joiners`): warm workers of a node that
 asks to be admitted, which the group lets in at a step boundary it agrees on (``elasticd/worker/coordination.py``);
