@@ -68,6 +68,7 @@ from bench.recovery import (
     MIN_NODES,
     STARTUP_TIMEOUT_S,
     ElasticdJob,
+    _exited,
     _stamp,
     first_step_at,
     join_figures,
@@ -75,6 +76,7 @@ from bench.recovery import (
     quiet_moment,
     recovery_timeout_s,
     start_job,
+    step_lines,
     wait_steady,
 )
 from bench.workloads import LARGE, SMALL, Workload
@@ -113,7 +115,7 @@ def measure_standin(job: ElasticdJob, cpus: str | None = None) -> tuple[dict[str
     quiet_moment()
     node = job.launcher.start(STANDIN, pinned(standin_command(job), cpus))
     t0 = node.started_at
-    wait_until(lambda: True if node.proc.poll() is not None else None, STANDIN_TIMEOUT_S, "the stand-in's end", 0.1)
+    wait_until(lambda: _exited(node) or None, STANDIN_TIMEOUT_S, "the stand-in's end", 0.1)
     t1 = time.time()
     calm_from = wait_steps_after(job, t1, 1)  # the step running at its end is counted, as a join's would be
     figures = {"seconds": round(t1 - t0, 3), "exit": node.proc.returncode, **pauses(job, t0, t1)}
@@ -144,12 +146,7 @@ def wait_steps_after(job: ElasticdJob, t: float, count: int) -> float:
 
     def steps() -> list[float] | None:
         job.launcher.refresh()
-        times = sorted(
-            float(r["t"])
-            for n in job.launcher.nodes.values()
-            for r in n.out_records
-            if r.get("event") == "step" and float(r["t"]) > t
-        )
+        times = [float(r["t"]) for r in step_lines(job, t)]
         return times if len(times) >= count else None
 
     return wait_until(steps, STEP_TIMEOUT_S * count, f"{count} steps")[0]

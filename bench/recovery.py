@@ -743,9 +743,7 @@ def pauses(job: Job, t0: float, t1: float, baseline_from: float = 0.0) -> dict[s
     that ends after ``t0`` and begins before ``t1``, less ``step_before``, the median of the 20 intervals before
     ``t0`` (those that begin at ``baseline_from`` or later), and ``stall_total``, every such interval's excess over
     that median summed. Empty without steps on both sides."""
-    nodes = job.launcher.nodes.values()
-    times = sorted(float(r["t"]) for n in nodes for r in n.out_records if r.get("event") == "step")
-    gaps = list(itertools.pairwise(times))
+    gaps = list(itertools.pairwise(float(r["t"]) for r in step_lines(job, 0.0)))
     before = [b - a for a, b in gaps if b <= t0 and a >= baseline_from][-20:]
     during = [b - a for a, b in gaps if b > t0 and a < t1]
     if not (before and during):
@@ -761,12 +759,11 @@ def pauses(job: Job, t0: float, t1: float, baseline_from: float = 0.0) -> dict[s
 def join_figures(job: Job, t0: float, t1: float, baseline_from: float = 0.0) -> dict[str, float]:
     """How a join disturbed the running group, and how fast the joiner trained once it could.
 
-    ``stall``: the longest interval between two step lines of the run from the join's start to the first step at
-    the new size, less the median interval of the 20 steps before (the running workers' pause: a restart, or an
-    admission in place); ``stall_total``: every such interval's excess summed (a busy 2-core host also slows steps
-    while the joiner imports torch). ``ready_to_step``: from the joiner's workers being imported and prepared to
-    their first step in the group (elasticd in place: its ``reconfigured`` figure; otherwise worker_ready to the
-    first step)."""
+    :func:`pauses` from the join's start to the first step at the new size: ``stall``, the running workers' longest
+    pause (a restart, or an admission in place), and ``stall_total``, all of them summed (a busy 2-core host also
+    slows steps while the joiner imports torch). ``ready_to_step``: from the joiner's workers being imported and
+    prepared to their first step in the group (elasticd in place: its ``reconfigured`` figure; otherwise
+    worker_ready to the first step)."""
     figures = pauses(job, t0, t1, baseline_from)
 
     def joined_in_place() -> list[float] | None:

@@ -78,22 +78,27 @@ class Verdicts:
     def daemon_gone(self, node: str) -> bool:
         """Is ``node``'s daemon gone (refused at its current address) or stopped (connected, never greeted)? Not for
         an unreachable one: a partition."""
+        return self._greet_current(node, DECIDE_GREET_TIMEOUT_S) in (Probe.REFUSED, Probe.SILENT)
+
+    def daemon_answers(self, node: str, timeout_s: float = LAPSE_GREET_TIMEOUT_S) -> bool:
+        """Does ``node``'s daemon greet now (at its current address)? False without a known address."""
+        return self._greet_current(node, timeout_s) is Probe.ACCEPTED
+
+    def _greet_current(self, node: str, timeout_s: float) -> Probe | None:
+        """Greet ``node``'s daemon at the address kept; a refusal is judged at its current address (the registry
+        read again: a node that came back listens on another port). None: no record to judge by (the node's lease
+        decides)."""
         address = self.daemon_address(node)
         if address is None:
-            return False
-        answer = greet(address, DECIDE_GREET_TIMEOUT_S)
+            return None
+        answer = greet(address, timeout_s)
         if answer is Probe.REFUSED:
             current = self.current_daemon_address(node)
             if current is None:
-                return False  # no record to judge by: the node's lease decides
+                return None
             if current != address:
-                answer = greet(current, DECIDE_GREET_TIMEOUT_S)
-        return answer in (Probe.REFUSED, Probe.SILENT)
-
-    def daemon_answers(self, node: str, timeout_s: float = LAPSE_GREET_TIMEOUT_S) -> bool:
-        """Does ``node``'s daemon greet now (at its address as first read)? False without a known address."""
-        address = self.daemon_address(node)
-        return address is not None and greet(address, timeout_s) is Probe.ACCEPTED
+                answer = greet(current, timeout_s)
+        return answer
 
     def _read_daemons(self) -> None:
         for record in read_nodes(self._client, self._keys):
