@@ -6,8 +6,12 @@ reads the same file with accelerate's own launch code: its argument parser, ``_v
 defaults a launch fills in from the file) and ``prepare_simple_launcher_cmd_env`` (the variables a launch gives its
 processes), and keeps what accelerate owns. elasticd's options win where both speak: the number of processes and
 machines (``--nproc-per-node``, ``--min-nodes``/``--max-nodes``), the rendezvous and the master address (torch's agent
-sets those each round). A setup elasticd cannot run (TPU, SageMaker, DeepSpeed, FSDP, Megatron-LM) is a
+sets those each round). A setup elasticd cannot run (TPU, SageMaker, DeepSpeed, Megatron-LM, FSDP1) is a
 :class:`~elasticd.errors.ConfigError`: one line, exit 2.
+
+An FSDP config (``fsdp_version: 2``) gives the workers accelerate's FSDP variables as its multi-GPU launch would
+(``ACCELERATE_USE_FSDP``, ``FSDP_*``); on a host without GPUs the worker library then makes accelerate take its FSDP2
+path on gloo (:mod:`elasticd.worker.fsdp`). FSDP1 is refused: its checkpoints are not resharded by elasticd's loads.
 
 Without a config file, the workers' CPU threads follow torchrun and accelerate: :func:`default_threads`.
 """
@@ -33,7 +37,6 @@ _OWNED = frozenset({envvars.MASTER_ADDR, envvars.MASTER_PORT})
 _UNSUPPORTED = {
     "XLA": "TPU (XLA) training is launched by accelerate's TPU launcher",
     "DEEPSPEED": "DeepSpeed runs under its own launcher",
-    "FSDP": "FSDP is not supported by elasticd's recovery yet",
     "MEGATRON_LM": "Megatron-LM is not supported by elasticd's recovery",
 }
 
@@ -54,7 +57,7 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
     setup elasticd cannot run."""
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-    from accelerate.utils.launch import prepare_simple_launcher_cmd_env
+    from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
     file = path if path is not None else Path(default_config_file)
     if not file.is_file():
@@ -67,6 +70,8 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
         raise ConfigError(KEY, f"{file}: {_one_line(exc)}") from None
     kind = str(getattr(config.distributed_type, "value", config.distributed_type))
     _check_setup(file, str(getattr(config.compute_environment, "value", config.compute_environment)), kind)
+    if kind == "FSDP":
+        _check_fsdp(file, config.fsdp_config or {})
 
     total = nproc_per_node * max_nodes
     multi_device = kind.startswith("MULTI_") and kind != "MULTI_CPU"
@@ -89,6 +94,8 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
         with _quiet():  # accelerate's notes about the defaults it fills in are for its own launch
             args, _defaults, _from_config = _validate_launch_command(launch_command_parser().parse_args(argv))
             _cmd, launched = prepare_simple_launcher_cmd_env(args)
+            if kind == "FSDP":  # the simple launcher gives no FSDP variables; accelerate's multi-GPU launch does
+                launched |= {k: v for k, v in prepare_multi_gpu_env(args).items() if _is_fsdp_variable(k)}
     except (ValueError, RuntimeError, AssertionError, SystemExit) as exc:
         raise ConfigError(KEY, f"{file}: {_one_line(exc)}") from None
     env = {k: v for k, v in launched.items() if os.environ.get(k) != v and k not in _OWNED}
@@ -118,7 +125,11 @@ def precheck(path: Path) -> None:
         raise ConfigError(KEY, f"{path}: {_one_line(exc)}") from None
     if not isinstance(data, dict):
         raise ConfigError(KEY, f"{path}: expected accelerate's settings (a mapping), got {type(data).__name__}")
-    _check_setup(path, str(data.get("compute_environment", "LOCAL_MACHINE")), str(data.get("distributed_type", "NO")))
+    kind = str(data.get("distributed_type", "NO"))
+    _check_setup(path, str(data.get("compute_environment", "LOCAL_MACHINE")), kind)
+    if kind == "FSDP":
+        fsdp = data.get("fsdp_config") or {}
+        _check_fsdp(path, fsdp if isinstance(fsdp, dict) else {})
 
 
 def _check_setup(path: Path, environment: str, kind: str) -> None:
@@ -126,6 +137,26 @@ def _check_setup(path: Path, environment: str, kind: str) -> None:
         raise ConfigError(KEY, f"{path}: compute_environment {environment} cannot run under elasticd (LOCAL_MACHINE)")
     if kind in _UNSUPPORTED:
         raise ConfigError(KEY, f"{path}: distributed_type {kind}: {_UNSUPPORTED[kind]}; use accelerate launch")
+
+
+def _check_fsdp(path: Path, fsdp: Mapping[str, object]) -> None:
+    """FSDP2 (accelerate's default is 1) with a state dict that reshards: DCP's shards or one full copy."""
+    version = str(fsdp.get("fsdp_version", 1))
+    if version != "2":
+        raise ConfigError(
+            KEY, f"{path}: fsdp_version {version}: elasticd runs FSDP2 only; set fsdp_config.fsdp_version: 2"
+        )
+    kind = str(fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT")).upper()
+    if kind == "LOCAL_STATE_DICT":
+        raise ConfigError(
+            KEY,
+            f"{path}: fsdp_state_dict_type {kind}: its per-rank files load at one world size only, and elasticd"
+            " resumes at any; use SHARDED_STATE_DICT (DCP, resharded on load)",
+        )
+
+
+def _is_fsdp_variable(name: str) -> bool:
+    return name == envvars.ACCELERATE_USE_FSDP or name.startswith("FSDP_")
 
 
 def default_threads(nproc_per_node: int, *, has_gpu: bool, cpu_cores: int | None) -> int | None:

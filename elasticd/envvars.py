@@ -95,6 +95,10 @@ MASTER_PORT = "MASTER_PORT"
 # --- the workers' runtime, set by the daemon unless the user did -------------------------------------------------
 # accelerate on a host without GPUs ignores torchrun's WORLD_SIZE unless told to use the CPU (accelerate's state.py).
 ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
+# accelerate's FSDP switch, from an FSDP config file (with FSDP_VERSION and the other FSDP_* settings); on a host
+# without GPUs the worker library makes accelerate honour it on gloo (worker/fsdp.py).
+ACCELERATE_USE_FSDP = "ACCELERATE_USE_FSDP"
+FSDP_VERSION = "FSDP_VERSION"
 # OpenMP's threads per worker: the daemon divides the physical cores among its workers (accelerate_env.py).
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # A worker that dies on a signal (SIGSEGV in native code) prints every thread's Python stack to its stderr.

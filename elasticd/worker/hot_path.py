@@ -25,6 +25,7 @@ from elasticd.group_record import Reach, group_reach, read_group
 from elasticd.keys import RunKeys
 from elasticd.messages import Kind
 from elasticd.node_records import read_nodes
+from elasticd.worker import fsdp
 from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.given_up import GIVEN_UP
@@ -99,6 +100,8 @@ _REACH_POLL_S = 0.5
 # cold path); each call waits at most ETCD_REQUEST_TIMEOUT_S on one member before trying another.
 ETCD_ELECTION_GRACE_S = 15.0
 ETCD_REQUEST_TIMEOUT_S = 2.0
+# Why a sharded job recovers cold: a lost node's shards are in no survivor's memory (in place: a later issue).
+SHARDED = "FSDP (sharded model): a lost node's shards are on disk only, so every change restarts from the checkpoint"
 
 
 class JoinerNotNeeded(ElasticdError):
@@ -120,6 +123,8 @@ class HotPath:
         if run.world_size < 2 and not joining:
             run.log.info("hot_recovery_off", reason="a world of one worker has nobody to re-form with")
             return None
+        if fsdp.is_fsdp(run.accelerator):
+            return cls._unsupported(run, SHARDED)
         if not is_gloo_world():
             return cls._unsupported(run, "a process group other than gloo's default one (NCCL: not yet wired)")
         try:

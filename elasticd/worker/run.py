@@ -38,7 +38,7 @@ from elasticd.logging import configure_logging, get_logger
 from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.privates.check import check_worker
 from elasticd.privates.surface import Fallback
-from elasticd.worker import resume_point
+from elasticd.worker import fsdp, resume_point
 from elasticd.worker.batch_tensors import poison, to_device
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.beats import BeatClient
@@ -116,6 +116,7 @@ class Run:
         if not structlog.is_configured():
             configure_logging(stdlib=False)
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
+        fsdp.take_fsdp_path(accelerator, self.log)  # before prepare(): accelerate shards on gloo too
         self.plan: BatchPlan | None = None
         self._seed = 0
         self._micro = 0
@@ -413,8 +414,7 @@ class Run:
         self.slot.set_phase(Phase.TRAINING)
         self.coordinator.checkpointed()
         if planned:
-            # the daemon waits for this before a planned change; a refused or failed commit means the steps since
-            # the last committed checkpoint will be redone, and it says so
+            # the daemon waits for this before a planned change; a refused or failed commit: the steps since are redone
             self.beats.send(Kind.CHECKPOINT_SAVED, step=self.state.step, requested=True, committed=bool(committed))
 
     def _stepped_over(self, step_slice: StepSlice) -> None:
