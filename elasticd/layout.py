@@ -73,7 +73,7 @@ def is_partial(name: str) -> bool:
 
 
 def done_marker(rank: int) -> str:
-    """The file a rank's asynchronous writer leaves in the partial directory once its files are complete."""
+    """The file a rank leaves in the partial directory once its files are complete: their sizes and sha256."""
     return f".rank-{rank}.done"
 
 

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -33,10 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from elasticd.layout import MANIFEST, RunLayout, committed_step, is_partial
+from elasticd.layout import MANIFEST, RunLayout, committed_step, done_marker, is_partial
 from elasticd.lineage import LOCAL_WRITER, CheckpointRecord, writer_id
 
 MANIFEST_VERSION = 1
+
+Parts = dict[str, dict[str, Any]]  # relative path -> {"size", "sha256"}: what the ranks reported (write_part)
 # A fence: True when the checkpoint of this record may be committed (it is then recorded); it raises
 # CommitDeferredError when it cannot tell now (etcd away).
 Fence = Callable[[CheckpointRecord], bool]
@@ -58,12 +61,78 @@ class Checkpoint:
         return json.loads((self.path / MANIFEST).read_text())
 
 
-def build_manifest(directory: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """The manifest of ``directory``: ``meta`` plus each file's size and sha256 (the one schema, in one place)."""
+def build_manifest(directory: Path, meta: dict[str, Any], parts: Parts | None = None) -> dict[str, Any]:
+    """The manifest of ``directory``: ``meta`` plus each file's size and sha256 (the one schema, in one place).
+
+    ``parts``: entries the ranks that wrote those files reported (:func:`write_part`); only the other files are
+    hashed here."""
+    parts = parts or {}
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        files[str(path.relative_to(directory))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        name = str(path.relative_to(directory))
+        files[name] = parts.get(name) or {"size": path.stat().st_size, "sha256": _sha256(path)}
     return {"version": MANIFEST_VERSION, "wall_time": time.time(), **meta, "files": files}
+
+
+def own_files(directory: Path, rank: int) -> list[Path]:
+    """The files of ``directory`` that ``rank`` wrote, by the names accelerate and DCP give them: DCP's
+    ``__{rank}_{n}.distcp`` (``FileSystemWriter``'s per-rank prefix), accelerate's ``random_states_{rank}.pkl`` and
+    per-rank ``*_rank{rank}.bin``. Whatever no rank claims (DCP's ``.metadata``, the scheduler, the sampler) rank 0's
+    seal hashes itself."""
+    names = re.compile(rf"(__{rank}_\d+\.distcp|.*_{rank}\.pkl|.*_rank{rank}\.bin)")
+    return sorted(p for p in directory.rglob("*") if p.is_file() and names.fullmatch(p.name))
+
+
+def write_part(directory: Path, rank: int) -> None:
+    """``rank``'s part of a save into ``directory``: its own files fsynced, then their sizes and sha256 in its
+    marker (``done_marker``), written whole (a temporary name, fsynced, renamed): rank 0 seals once every rank's is
+    there. The ranks hash their shards in parallel, on their own hosts."""
+    entries = {}
+    for path in own_files(directory, rank):
+        _fsync_file(path)
+        entries[str(path.relative_to(directory))] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    marker = directory / done_marker(rank)
+    temporary = marker.with_name(marker.name + ".tmp")
+    with temporary.open("w") as fh:
+        json.dump(entries, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    temporary.rename(marker)
+
+
+def per_rank_world(directory: Path) -> int | None:
+    """The world size a checkpoint of per-rank model files (accelerate's ``*_rank{r}.bin``, FSDP's sharded state
+    dict saved without DCP) was written at, or None when it has none: such files load only at that world size,
+    unlike DCP's, which reshard at any."""
+    ranks = {int(m.group(1)) for p in directory.rglob("*_rank*.bin") if (m := _RANK_FILE.fullmatch(p.name))}
+    return max(ranks) + 1 if ranks else None
+
+
+def cannot_reshard(directory: Path, world_size: int) -> str | None:
+    """Why the checkpoint in ``directory`` cannot load at ``world_size``, or None when it can."""
+    saved = per_rank_world(directory)
+    if saved in (None, world_size):
+        return None
+    return (
+        f"checkpoint {directory} holds one model file per rank for {saved} ranks (saved without DCP): it loads at"
+        f" {saved} processes only, this run has {world_size}; save with accelerator.save_state (DCP, resharded on"
+        " load) or start a new --run-id"
+    )
+
+
+_RANK_FILE = re.compile(r".*_rank(\d+)\.bin")
+
+
+def read_parts(directory: Path, world_size: int) -> Parts:
+    """Every rank's reported entries (:func:`write_part`), its markers removed; FileNotFoundError for a missing
+    one."""
+    parts: Parts = {}
+    markers = [directory / done_marker(rank) for rank in range(world_size)]
+    for marker in markers:
+        parts.update(json.loads(marker.read_text()))
+    for marker in markers:
+        marker.unlink()
+    return parts
 
 
 def manifest_files(manifest: dict[str, Any]) -> dict[str, tuple[int, str]]:
@@ -184,13 +253,15 @@ class CheckpointStore:
         :class:`CommitDeferredError` when the fence could not be asked: the sealed directory stays for a retry."""
         return self.publish(self.seal(step, meta), fence)
 
-    def seal(self, step: int, meta: dict[str, Any]) -> CheckpointRecord:
-        """Make this writer's files of ``step`` durable and write the manifest last: the record to commit."""
+    def seal(self, step: int, meta: dict[str, Any], parts: Parts | None = None) -> CheckpointRecord:
+        """Make this writer's files of ``step`` durable and write the manifest last: the record to commit.
+        ``parts``: the files the ranks made durable and hashed themselves (:func:`read_parts`)."""
         partial = self.partial_path(step)
+        parts = parts or {}
         for path in partial.rglob("*"):
-            if path.is_file():
+            if path.is_file() and str(path.relative_to(partial)) not in parts:
                 _fsync_file(path)
-        manifest = build_manifest(partial, {"step": step, **meta})
+        manifest = build_manifest(partial, {"step": step, **meta}, parts)
         manifest_path = partial / MANIFEST
         with manifest_path.open("w") as fh:
             json.dump(manifest, fh, indent=1, sort_keys=True)

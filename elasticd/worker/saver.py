@@ -49,9 +49,18 @@ from accelerate.utils import RNG_STATE_NAME, DistributedType
 from elasticd import rundir
 from elasticd.layout import done_marker
 from elasticd.messages import Kind
-from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, Fence
+from elasticd.worker.checkpoints import (
+    Checkpoint,
+    CheckpointStore,
+    Fence,
+    Parts,
+    cannot_reshard,
+    read_parts,
+    write_part,
+)
 from elasticd.worker.commit_queue import ABANDONED, CommitQueue, Sealed
 from elasticd.worker.hot.given_up import GIVEN_UP
+from elasticd.worker.planning import TrainingStopped
 
 # The events a rank's daemon hears of: the worker forwards them as messages of these kinds.
 COMMITTED = Kind.CHECKPOINT_COMMITTED
@@ -317,6 +326,8 @@ class CheckpointSaver:
         """Load ``cp`` into the accelerator's objects with ``accelerator.load_state``; its manifest."""
         self.wait()  # a commit in flight may prune the very checkpoint being loaded
         self._queue.wait(EXIT_SETTLE_S)
+        if refusal := cannot_reshard(cp.path, int(self._acc.num_processes)):
+            raise TrainingStopped(refusal)
         self._acc.load_state(str(cp.path))
         return cp.manifest()
 
@@ -326,7 +337,8 @@ class CheckpointSaver:
         # Nobody writes before rank 0 has made the empty partial dir; if it could not, nobody writes at all (save_state
         # would create the dir itself). Each barrier is an agreement, so every rank leaves a failed save together.
         if self._everyone_ok(failure is None):
-            failure = _attempt(acc.save_state, str(self._store.partial_path(step)))
+            partial, rank = self._store.partial_path(step), int(acc.process_index)
+            failure = _attempt(acc.save_state, str(partial)) or _attempt(write_part, partial, rank)
             if failure is None:
                 self._emit(WRITTEN, step=step)
             # save_state has no final barrier: here every rank's files are complete, or some rank's write failed
@@ -335,7 +347,8 @@ class CheckpointSaver:
                 outcome = [0, 0, 0]
                 if acc.is_main_process:
                     try:
-                        outcome = [int(bool(self._commit(self._store, step, meta, start, None))), 0, 0]
+                        parts = read_parts(partial, int(acc.num_processes))
+                        outcome = [int(bool(self._commit(self._store, step, meta, start, None, parts))), 0, 0]
                     except Exception as exc:
                         failure, outcome = exc, [0, 1, int(self._sealed == step)]
                 # no rank goes on (to load, or to exit) before the commit is decided, and every rank learns how: a
@@ -403,11 +416,11 @@ class CheckpointSaver:
             torch.save(rng, partial / f"{RNG_STATE_NAME}_{job.rank}.pkl")
             self._emit(WRITTEN, step=step)
             job.check()  # no marker after a hand-over: rank 0 cannot seal what this rank gives up
-            (partial / done_marker(job.rank)).touch()  # rank 0 commits once it sees every rank's
+            write_part(partial, job.rank)  # its files' hashes, in its marker: rank 0 commits once it sees every rank's
             if job.main:
-                self._await_markers(job)
+                parts = self._await_markers(job)
                 job.check()  # the last moment to give up: once sealed, the fence decides
-                self._commit(job.store, step, meta, start, blocking_s)
+                self._commit(job.store, step, meta, start, blocking_s, parts)
         except _HandedOverError as exc:
             self._abandon(job, str(exc))
         except Exception as exc:  # a thread has no caller to raise to: the failure is an event
@@ -419,7 +432,7 @@ class CheckpointSaver:
             else:
                 self._failed(step, exc if partial.is_dir() else _PeerFailedError(PEER_FAILED), partial, job.main)
 
-    def _await_markers(self, job: _Job) -> None:
+    def _await_markers(self, job: _Job) -> Parts:
         partial = job.partial
         markers = [partial / done_marker(rank) for rank in range(job.world_size)]
         deadline = time.monotonic() + self._commit_timeout_s
@@ -430,17 +443,16 @@ class CheckpointSaver:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not written within {self._commit_timeout_s:g} s: {', '.join(missing)}")
             time.sleep(_MARKER_POLL_S)
-        for marker in markers:
-            marker.unlink()
+        return read_parts(partial, job.world_size)
 
     def _commit(
-        self, store: CheckpointStore, step: int, meta: dict[str, Any], start: float, blocking_s: float | None
+        self, store: CheckpointStore, step: int, meta: dict[str, Any], start: float, blocked: float | None, parts: Parts
     ) -> bool | None:
-        """Rank 0: seal and commit the files ``store``'s writer wrote: True committed, False refused by the fence,
-        None waiting for etcd (``commit_queue.py``: committed later, in step order)."""
-        record = store.seal(step, meta)
+        """Rank 0: seal and commit the files ``store``'s writer wrote (``parts``: those the ranks hashed): True
+        committed, False refused by the fence, None waiting for etcd (``commit_queue.py``: later, in step order)."""
+        record = store.seal(step, meta, parts)
         self._emit(SEALED, step=step)
-        return self._queue.commit(Sealed(store, record, start, blocking_s))
+        return self._queue.commit(Sealed(store, record, start, blocked))
 
     def _everyone_ok(self, ok: bool) -> bool:
         """A collective on every rank: True when ``ok`` on every rank (a barrier that also carries one bit)."""
