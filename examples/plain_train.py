@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step, to stand in for real compute")
     p.add_argument("--width", type=int, default=32, help="units per hidden layer")
     p.add_argument("--depth", type=int, default=1, help="hidden layers (bench/recovery.py's large state: 7 of 4096)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="else accelerate's")
     p.add_argument("--checkpoint-dir", default="checkpoints/plain")
     p.add_argument("--checkpoint-every", type=int, default=50)
     return p.parse_args()

@@ -9,8 +9,13 @@ corpus built here from fixed word lists (offline and reproducible: a sentence's 
 trained with mixed precision as accelerate's config file says (``accelerate config``; bf16 on a CPU). Written
 against the worker library exactly like ``examples/train.py``: resume, the same global batch and LR schedule at
 any world size, every sentence of an epoch exactly once, ``save_state`` checkpoints (the model as safetensors).
-At the end rank 0 scores held-out sentences, alone (no collective), and can write the model with
-``save_pretrained``.
+At the end every rank gives its part of the weights and rank 0 scores held-out sentences alone with them, and can
+write the model with ``save_pretrained``.
+
+Sharded, as a model too big for one card would be: the same script with an FSDP2 config (``examples/fsdp2.yaml``,
+each ``BertLayer`` its own shard unit, bf16); checkpoints are then DCP shards, one set per rank, resharded on load.
+
+    elasticd start --nproc-per-node 2 --accelerate-config examples/fsdp2.yaml examples/text_classification.py
 """
 
 from __future__ import annotations
@@ -172,8 +177,10 @@ def main() -> None:
                 }
                 print(json.dumps(line), flush=True)
     run.close()
+    weights = accelerator.get_state_dict(model)  # on every rank: under FSDP it gathers the shards
     if accelerator.is_main_process:
-        trained = accelerator.unwrap_model(model)
+        trained = build_model(len(tokenizer), args.seed, args.model_size)
+        trained.load_state_dict(weights)
         accuracy = evaluate(trained, Reviews(args.eval_size, tokenizer, seed=args.seed + 1), accelerator.device)
         if args.save_pretrained:
             trained.save_pretrained(args.save_pretrained)

@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sleep", type=float, default=0.0, help="extra seconds per step, to stand in for real compute")
     p.add_argument("--width", type=int, default=32, help="units per hidden layer")
     p.add_argument("--depth", type=int, default=1, help="hidden layers (bench/recovery.py's large state: 7 of 4096)")
-    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="else accelerate's")
     p.add_argument("--record-ids", default=None, help="append the sample ids each rank trains on (tests)")
     p.add_argument("--save-final", default=None, help="write the final weights here (tests)")
     return p.parse_args()
@@ -111,8 +111,10 @@ def main() -> None:
                 }
                 print(json.dumps(line), flush=True)
     run.close()
-    if args.save_final and accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(model).state_dict(), args.save_final)
+    if args.save_final:
+        weights = accelerator.get_state_dict(model)  # on every rank: under FSDP it gathers the shards
+        if accelerator.is_main_process:
+            torch.save(weights, args.save_final)
     if accelerator.is_main_process:
         print(json.dumps({"event": "done", "step": run.state.step, "t": time.time(), "pid": os.getpid()}), flush=True)
     accelerator.end_training()

@@ -41,6 +41,25 @@ use_cpu: true
 """
 
 
+def fsdp2_config(mixed_precision: str = "no", **fsdp: object) -> str:
+    """``accelerate config``'s file for FSDP2 on this CPU host, each Linear its own shard unit; ``fsdp``: other
+    ``fsdp_config`` values."""
+    settings = {
+        "fsdp_activation_checkpointing": "false",
+        "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+        "fsdp_min_num_params": 100,
+        "fsdp_cpu_ram_efficient_loading": "false",
+        "fsdp_offload_params": "false",
+        "fsdp_reshard_after_forward": "true",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_version": 2,
+        **fsdp,
+    }
+    body = WIZARD_CPU_BF16.replace("distributed_type: MULTI_CPU", "distributed_type: FSDP")
+    body = body.replace("mixed_precision: bf16", f"mixed_precision: '{mixed_precision}'")
+    return body + "fsdp_config:\n" + "".join(f"  {k}: {v}\n" for k, v in settings.items())
+
+
 def start(tmp_path: Path, *flags: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
     out = tmp_path / "probe"
     out.mkdir(exist_ok=True)
@@ -122,3 +141,22 @@ def test_a_named_config_file_that_is_missing_is_one_line_and_exit_2(tmp_path: Pa
     assert result.stderr.strip().splitlines() == [
         f"elasticd: error: --accelerate-config: {tmp_path / 'nope.yaml'} does not exist or is not a file"
     ]
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "needle"),
+    [
+        ({"fsdp_version": 1}, "fsdp_version 1: elasticd runs FSDP2 only; set fsdp_config.fsdp_version: 2"),
+        ({"fsdp_state_dict_type": "LOCAL_STATE_DICT"}, "fsdp_state_dict_type LOCAL_STATE_DICT: its per-rank files"),
+    ],
+)
+def test_an_fsdp_config_that_cannot_reshard_is_one_line_and_exit_2(
+    tmp_path: Path, fsdp: dict[str, object], needle: str
+) -> None:
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(fsdp2_config(**fsdp))
+    result, ranks = start(tmp_path, "--accelerate-config", str(config))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"elasticd: error: --accelerate-config: {config}: ") and needle in line, line
+    assert ranks == []

@@ -66,3 +66,30 @@ def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd: Embedde
         assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
         committed = sorted((c.checkpoint_dir / "text").glob("step-*"))
         assert committed and (committed[-1] / "model.safetensors").is_file()  # save_state's safetensors
+
+
+def test_the_text_classifier_trains_sharded_with_the_fsdp2_example_config(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    # examples/fsdp2.yaml as the README gives it: FSDP2 in bf16, one shard unit per BertLayer, DCP checkpoints
+    model_dir = tmp_path / "trained"
+    args = ("--epochs", "1", "--dataset-size", "1920", "--save-pretrained", str(model_dir))
+    with Cluster(
+        etcd.endpoint,
+        tmp_path,
+        run_id="sharded-text",
+        nproc_per_node=2,
+        script=EXAMPLE,
+        script_args=args,
+        extra=("--accelerate-config", str(ROOT / "examples" / "fsdp2.yaml")),
+        env={"HF_HOME": str(tmp_path / "hf")},
+    ) as c:
+        node = c.start("st-a")
+        assert node.wait(240) == 0, node.tail()
+        (sharded,) = node.events("fsdp_on_cpu")
+        assert sharded["mixed_precision"] == "bf16"
+        lines = list(read_json_lines(node.out))
+        (done,) = [e for e in lines if e.get("event") == "done"]
+        assert done["step"] == 40 and done["accuracy"] >= 0.9, done
+        assert (model_dir / "model.safetensors").is_file()
+        committed = sorted((c.checkpoint_dir / "sharded-text").glob("step-*"))
+        shards = sorted(p.name for p in (committed[-1] / "pytorch_model_fsdp_0").iterdir())
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
