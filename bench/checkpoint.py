@@ -79,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-size", choices=["tiny", "base"], default="tiny", help="text-classifier: its size")
     parser.add_argument("--steps", type=int, default=4, help="training steps timed after each save")
     parser.add_argument(
+        "--sharded", action="store_true", help="shard the model with accelerate's FSDP2 (DCP checkpoints, per rank)"
+    )
+    parser.add_argument(
         "--json", type=Path, help="where to write the results (default: bench/results/checkpoint[-MODEL]-<commit>.json)"
     )
     parser.add_argument("--dir", type=Path, help="parent of the temporary checkpoint directory")
@@ -91,10 +94,14 @@ def worker(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     import torch
     from accelerate import Accelerator
 
-    from elasticd.worker.checkpoints import CheckpointStore
+    from elasticd.worker.checkpoints import CheckpointStore, own_files
     from elasticd.worker.saver import COMMITTED, CheckpointSaver
 
     accelerator = Accelerator(cpu=True)  # a CPU-only host ignores WORLD_SIZE without cpu=True
+    if args.sharded:
+        from elasticd.worker.fsdp import take_fsdp_path
+
+        assert take_fsdp_path(accelerator), "accelerate did not take its FSDP2 path"
     model, batch = _model(args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -135,8 +142,13 @@ def worker(args: argparse.Namespace, checkpoint_dir: Path) -> None:
     saver.close()
     if accelerator.is_main_process:
         size = sum(p.stat().st_size for p in (checkpoint_dir / "bench").rglob("*") if p.is_file()) // 2
-        samples.update(ranks=accelerator.num_processes, parameters=sum(p.numel() for p in model.parameters()))
-        args.worker.write_text(json.dumps({**samples, "checkpoint_bytes": size}))
+        newest = max((checkpoint_dir / "bench").glob("step-*"))
+        # what each rank wrote itself (its shards and RNG; rank 0 also what no rank claims: metadata, scheduler)
+        own = [sum(p.stat().st_size for p in own_files(newest, r)) for r in range(accelerator.num_processes)]
+        own[0] += sum(p.stat().st_size for p in newest.rglob("*") if p.is_file()) - sum(own)
+        parameters = sum(p.numel() for p in model.parameters())  # a DTensor counts its global shape
+        samples.update(ranks=accelerator.num_processes, bytes_per_rank=own)
+        args.worker.write_text(json.dumps({**samples, "checkpoint_bytes": size, "parameters": parameters}))
 
 
 def _model(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -168,8 +180,12 @@ def run(args: argparse.Namespace, ranks: int, workdir: Path, script: Path) -> di
     command = [sys.executable, *launcher, str(script), "--worker", str(result)]
     command += ["--dir", str(workdir / f"ranks-{ranks}"), "--params", str(args.params), "--repeats", str(args.repeats)]
     command += ["--steps", str(args.steps), "--model", args.model, "--model-size", args.model_size]
+    command += ["--sharded"] if args.sharded else []
     # One intra-op thread per rank: ranks must not fight over the cores of a small machine.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(script.parent.parent)}
+    if args.sharded:  # what an accelerate config with FSDP2 gives a worker: each Linear its own shard unit
+        env.update(ACCELERATE_USE_FSDP="true", FSDP_VERSION="2", FSDP_STATE_DICT_TYPE="SHARDED_STATE_DICT")
+        env.update(FSDP_AUTO_WRAP_POLICY="SIZE_BASED_WRAP", FSDP_MIN_NUM_PARAMS="1000000", ACCELERATE_USE_CPU="true")
     cores_before = wait_for_quiet(QUIET_TIMEOUT_S)
     others, started = foreign_cpu(), time.monotonic()
     child = subprocess.Popen(command, env=env, start_new_session=True)
@@ -188,8 +204,8 @@ def run(args: argparse.Namespace, ranks: int, workdir: Path, script: Path) -> di
 
 def summarize(sample: dict[str, Any]) -> dict[str, Any]:
     """Medians per kind of save, their ratio, and the samples themselves."""
-    keep = ("ranks", "parameters", "checkpoint_bytes", "foreign_cores_before", "foreign_cores_during")
-    row: dict[str, Any] = {key: sample[key] for key in keep}
+    keep = ("ranks", "parameters", "checkpoint_bytes", "bytes_per_rank", "foreign_cores_before", "foreign_cores_during")
+    row: dict[str, Any] = {key: sample.get(key) for key in keep}
     for kind in ("blocking", "background"):
         for figure in ("blocking_s", "total_s"):
             row[f"{kind}_{figure}"] = statistics.median(s[figure] for s in sample[kind])
@@ -235,7 +251,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     print(render(rows))
     name = "checkpoint" if args.model == "linear-stack" else f"checkpoint-{args.model}-{args.model_size}"
+    name += "-sharded" if args.sharded else ""
     config = {"model": args.model, "model_size": args.model_size, "params": args.params, "repeats": args.repeats}
+    config.update(sharded=args.sharded)
     config.update(steps=args.steps, ranks=args.ranks, target_ratio=TARGET_RATIO, quiet_timeout_s=QUIET_TIMEOUT_S)
     report = {
         **report_header("checkpoint.py", argv, revision),

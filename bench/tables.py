@@ -323,6 +323,9 @@ def checkpoint_table(results: dict[str, Any]) -> str:
     model = config.get("model", "linear-stack")
     if model == "text-classifier":
         model += f" ({config.get('model_size', 'tiny')})"
+    if config.get("sharded"):
+        model += " sharded with accelerate's FSDP2 (DCP files, one set per rank)"
+    per_rank = all(row.get("bytes_per_rank") for row in rows)
     target = config.get("target_ratio", 0.10)
     first = rows[0]
     lines = [
@@ -340,6 +343,7 @@ def checkpoint_table(results: dict[str, Any]) -> str:
         "step after the save s",
         "async / blocking",
         "others",
+        *(["MB each rank wrote"] if per_rank else []),
     ]
     body = []
     for row in rows:
@@ -351,6 +355,8 @@ def checkpoint_table(results: dict[str, Any]) -> str:
                 ratio = f"**{100 * row['ratio']:.1f} %** ({verdict})"
             cells = [row["ranks"], label, f"**{_num(row[f'{kind}_blocking_s'], 3)}** ({blocked})"]
             cells += [_num(row[f"{kind}_total_s"], 3), _num(row[f"{kind}_step_s"], 3), ratio, _others(row)]
+            if per_rank:
+                cells.append(" / ".join(f"{b / 1e6:.0f}" for b in row["bytes_per_rank"]))
             body.append(cells)
     return "\n".join(lines + _table(head, body)) + "\n"
 

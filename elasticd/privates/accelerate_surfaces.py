@@ -1,6 +1,6 @@
 """Every private accelerate name elasticd uses, with what it is for, its check and its fallback (read with 1.15).
 
-Three users: the asynchronous checkpoint saver (``worker/saver.py`` snapshots what ``save_state`` would save, from
+Three users: the asynchronous checkpoint saver (``worker/snapshot.py`` copies what ``save_state`` would save, from
 the ``Accelerator``'s registries), the non-finite guard (``worker/guard.py`` and the hot path's step guard skip the
 scheduler through the optimizer's overflow flag), and the hot path (``worker/hot/reform.py``: the process count in
 accelerate's shared state). The daemon builds the workers' environment with accelerate's own launch code.
@@ -13,7 +13,7 @@ from elasticd.privates.surface import Fallback, Process, Surface, callable_with,
 _ACC = "accelerate.accelerator:Accelerator"
 _STATE = "accelerate.state"
 _OPTIMIZER = "accelerate.optimizer:AcceleratedOptimizer"
-_SAVER = ("elasticd.worker.saver",)
+_SAVER = ("elasticd.worker.saver", "elasticd.worker.snapshot")
 
 
 def _registry(attribute: str, use: str, users: tuple[str, ...] = _SAVER) -> Surface:

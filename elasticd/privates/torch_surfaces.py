@@ -1,10 +1,10 @@
 """Every private torch name elasticd uses, with what it is for, its check and its fallback (read with torch 2.13).
 
-Three users: the agent (``agent/supervisor.py`` builds on torch's ``LocalElasticAgent`` and overrides its private
+Four users: the agent (``agent/supervisor.py`` builds on torch's ``LocalElasticAgent`` and overrides its private
 steps), the rendezvous (``rendezvous/handler.py`` subclasses ``DynamicRendezvousHandler``, ``quorum.py`` wraps its
 private operation executor, ``wakeup.py`` replaces its module-level ``_delay``), and the worker library's hot path
-(``worker/hot/``: DDP's reducer and c10d's abort and shrink). The NCCL entries were read from torch's code and never
-exercised here (no GPU).
+(``worker/hot/``: DDP's reducer and c10d's abort and shrink), and the sharded snapshot (``worker/snapshot.py``:
+DCP's staging helpers). The NCCL entries were read from torch's code and never exercised here (no GPU).
 """
 
 from __future__ import annotations
@@ -390,6 +390,36 @@ _DIAGNOSTICS = (
     ),
 )
 
+_STAGING = "torch.distributed._state_dict_utils"
+
+# The sharded snapshot stages as DCP's own stager does (worker/snapshot.py); if these moved, saves block.
+_SHARDED_SNAPSHOT = (
+    Surface(
+        f"{_STAGING}._create_cpu_state_dict",
+        ("elasticd.worker.snapshot",),
+        "host buffers shaped like a sharded state dict (DTensors keep their placements), made once and reused",
+        every(
+            callable_with(f"{_STAGING}:_create_cpu_state_dict", "state_dict", "pin_memory", "share_memory"),
+            mentions("torch.distributed.checkpoint.staging:BlockingAsyncStager.stage", "_create_cpu_state_dict("),
+        ),
+        Fallback.BLOCKING_SAVES,
+        Process.WORKER,
+    ),
+    Surface(
+        f"{_STAGING}._copy_state_dict",
+        ("elasticd.worker.snapshot",),
+        "copies a sharded state dict's local shards into those buffers: the blocking part of an asynchronous save",
+        every(
+            callable_with(
+                f"{_STAGING}:_copy_state_dict", "state_dict", "copy_state_dict", "non_blocking", "type_check"
+            ),
+            mentions("torch.distributed.checkpoint.staging:BlockingAsyncStager.stage", "_copy_state_dict("),
+        ),
+        Fallback.BLOCKING_SAVES,
+        Process.WORKER,
+    ),
+)
+
 _MP = "torch.distributed.elastic.multiprocessing.api"
 
 _WARM_STARTS = (
@@ -419,4 +449,4 @@ _WARM_STARTS = (
     ),
 )
 
-TORCH: tuple[Surface, ...] = (*_AGENT, *_RENDEZVOUS, *_HOT_PATH, *_DIAGNOSTICS, *_WARM_STARTS)
+TORCH: tuple[Surface, ...] = (*_AGENT, *_RENDEZVOUS, *_HOT_PATH, *_DIAGNOSTICS, *_WARM_STARTS, *_SHARDED_SNAPSHOT)

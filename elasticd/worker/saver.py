@@ -1,14 +1,15 @@
 """Atomic checkpoint saves of an accelerate training state, blocking or in the background (DESIGN.md §2, §3).
 
 This module owns how a save happens across ranks: who creates ``step-N.partial/``, where the barriers are, who
-asks the fence and commits, and what an asynchronous save copies to host memory. The layout, manifest and
-verification belong to :mod:`elasticd.worker.checkpoints`.
+asks the fence and commits. What an asynchronous save copies to host memory is :mod:`elasticd.worker.snapshot`'s;
+the layout, manifest and verification belong to :mod:`elasticd.worker.checkpoints`.
 
 accelerate's ``save_state`` writes in place and has no final barrier; here every save goes to the ``.partial`` dir
 and rank 0 commits once all ranks have written, so a crash at any moment leaves the previous checkpoint the latest.
 Both ways write the files of ``save_state``, in its format: ``accelerator.load_state(path)`` loads a commit. An
 asynchronous save blocks for a host-memory snapshot and one barrier; a thread per rank then writes the files with
-accelerate's ``save_accelerator_state`` and a marker, and rank 0's waits for every marker before committing.
+accelerate's ``save_accelerator_state`` (a sharded model's shards through DCP first) and its part of the save (its
+files' hashes, in its marker), and rank 0's waits for every marker before committing.
 
 A background write belongs to the group that started it. Each one is a :class:`_Job` that keeps that group's view
 (fencing token, writer directory, rank, world size) whatever happens to the saver meanwhile. When the group re-forms
@@ -27,8 +28,6 @@ up like any failed step: rank 0, the only rank that commits, removes the partial
 from __future__ import annotations
 
 import atexit
-import copy
-import random
 import shutil
 import threading
 import time
@@ -37,13 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import accelerate.utils as accelerate_utils
-import numpy as np
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.checkpointing import save_accelerator_state, save_custom_state
-from accelerate.data_loader import IterableDatasetShard
 from accelerate.utils import RNG_STATE_NAME, DistributedType
 
 from elasticd import rundir
@@ -61,6 +57,7 @@ from elasticd.worker.checkpoints import (
 from elasticd.worker.commit_queue import ABANDONED, CommitQueue, Sealed
 from elasticd.worker.hot.given_up import GIVEN_UP
 from elasticd.worker.planning import TrainingStopped
+from elasticd.worker.snapshot import Snapshot, Snapshotter, is_sharded
 
 # The events a rank's daemon hears of: the worker forwards them as messages of these kinds.
 COMMITTED = Kind.CHECKPOINT_COMMITTED
@@ -74,7 +71,8 @@ SEALED = "checkpoint_sealed"
 # Seconds an exiting worker gives its writer to hear the fence's answer about a sealed checkpoint (one etcd
 # transaction, bounded by the client's own timeouts; this only bounds a stuck one).
 EXIT_SETTLE_S = 30.0
-# save_state of these writes sharded or engine-specific files that a host snapshot cannot reproduce: saved blocking.
+# save_state of these writes engine-specific files that a host snapshot cannot reproduce: saved blocking. So is FSDP
+# but FSDP2's SHARDED_STATE_DICT (snapshot.py stages its shards).
 _NO_SNAPSHOT = frozenset(
     {DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA}
 )
@@ -82,8 +80,6 @@ _NO_SNAPSHOT = frozenset(
 _AGREEMENT_POLL_S = 0.001
 # Rank 0's writer looks for the other ranks' markers this often (s): one stat per rank on the shared filesystem.
 _MARKER_POLL_S = 0.05
-# accelerate's random_states_{rank}.pkl holds torch_{device}_manual_seed for each device whose is_{device}_available().
-_RNG_DEVICES = ("cuda", "xpu", "mlu", "sdaa", "musa", "hpu", "neuron")
 # The error of a rank that failed only because another rank's write did (the one with the OS error reports that).
 PEER_FAILED = "another rank's write of this checkpoint failed"
 # Why a handed-over write is abandoned (the checkpoint_abandoned event's reason).
@@ -101,73 +97,6 @@ class CheckpointFailedError(Exception):
         super().__init__(f"checkpoint of step {step} failed: {error}")
         self.step = step
         self.error = error
-
-
-class _HostCopy:
-    """Deep copies of state into host memory. Tensor buffers are reused from one snapshot to the next: a fresh 600 MB
-    allocation page-faults in at ~2 GB/s, a reused one copies at ~10 GB/s (measured on CPU), so one checkpoint's
-    worth of host memory (pinned, for GPU tensors) stays allocated between saves."""
-
-    def __init__(self) -> None:
-        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        self._used: list[torch.Tensor] = []
-
-    def recycle(self) -> None:
-        """Make the buffers of the copies made so far reusable: only once nothing reads those copies any more."""
-        for buffer in self._used:
-            self._free.setdefault((buffer.shape, buffer.dtype), []).append(buffer)
-        self._used = []
-
-    def __call__(self, obj: Any, memo: dict[Any, torch.Tensor] | None = None) -> Any:
-        """``obj`` with every tensor copied; identical views stay one tensor (so tied weights are deduplicated by
-        safetensors exactly as in ``save_state``) and dict subclasses such as OrderedDict keep their type."""
-        memo = {} if memo is None else memo
-        if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided:  # sparse: no storage to share or buffer to reuse
-                return obj.detach().to("cpu", copy=True)
-            key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), obj.shape, obj.stride(), obj.dtype)
-            if key not in memo:
-                memo[key] = self._tensor(obj.detach())
-            return memo[key]
-        if isinstance(obj, dict):
-            out = copy.copy(obj)
-            out.update((name, self(value, memo)) for name, value in obj.items())
-            return out
-        if type(obj) in (list, tuple):
-            return type(obj)(self(value, memo) for value in obj)
-        return copy.deepcopy(obj)
-
-    def _tensor(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not tensor.is_contiguous():
-            return tensor.to("cpu", copy=True)
-        free = self._free.get((tensor.shape, tensor.dtype))
-        buffer = free.pop() if free else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-        self._used.append(buffer)
-        return buffer.copy_(tensor)
-
-
-def _rng_state(step: int) -> dict[str, Any]:
-    """This process's RNG states, under the keys ``save_accelerator_state`` writes (XLA is never snapshotted)."""
-    states = {"step": step, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state()}
-    states["torch_manual_seed"] = torch.get_rng_state()
-    for device in _RNG_DEVICES:
-        if getattr(accelerate_utils, f"is_{device}_available")():
-            states[f"torch_{device}_manual_seed"] = getattr(torch, device).get_rng_state_all()
-    return states
-
-
-class _Frozen:
-    """Stands in for a stateful object, or a dataloader, in accelerate's save functions, as of the snapshot."""
-
-    def __init__(self, state: Any, dataset: Any = None, sampler: Any = None, stateful: bool = False) -> None:
-        self._state, self._sampler = state, sampler
-        self.dataset, self.use_stateful_dataloader = dataset, stateful
-
-    def state_dict(self) -> Any:
-        return self._state
-
-    def get_sampler(self) -> Any:
-        return self._sampler
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,13 +120,6 @@ class _Job:
         """Raise :class:`_HandedOverError` when the group re-formed in place and this write is not sealed yet."""
         if self.handed_over.is_set():
             raise _HandedOverError(REGROUPED)
-
-
-def _freeze_loader(loader: Any, host: _HostCopy) -> _Frozen:
-    stateful = bool(getattr(loader, "use_stateful_dataloader", False))
-    # accelerate pickles the sampler object itself; a shallow copy freezes its epoch and seed.
-    sampler = copy.copy(loader.get_sampler()) if isinstance(loader.dataset, IterableDatasetShard) else None
-    return _Frozen(host(loader.state_dict()) if stateful else None, loader.dataset, sampler, stateful)
 
 
 class CheckpointSaver:
@@ -243,7 +165,7 @@ class CheckpointSaver:
         self._job: _Job | None = None  # the background write of self._writer
         # a re-formation in place happened since the last sweep (the same on every rank: every member re-formed)
         self._regrouped = False
-        self._host = _HostCopy()
+        self._snapshots = Snapshotter(commit_timeout_s)
         # partial dirs of failed saves that could not be removed then (read-only, or a rank still writing into it)
         self._leftovers: set[Path] = set()
         # the step whose record the fence was asked for: from then on a failure keeps the dir (it may be recorded)
@@ -264,8 +186,8 @@ class CheckpointSaver:
         Blocking: returns once the checkpoint is committed (True) or the fence refused it (False), the same answer on
         every rank; a failure on any rank is reported and raises :class:`CheckpointFailedError` on every rank.
         Asynchronous: first waits for the previous background write, then returns None once the state is copied to
-        host memory; the write and commit follow in the background and a failure there is only reported. Under FSDP,
-        DeepSpeed, Megatron-LM or XLA an asynchronous save is done blocking."""
+        host memory (``snapshot.py``); the write and commit follow in the background and a failure there is only
+        reported. Under DeepSpeed, Megatron-LM, XLA or FSDP other than FSDP2's sharded state dicts, it is blocking."""
         self.wait()
         if self._regrouped:
             self._regrouped = False
@@ -275,7 +197,7 @@ class CheckpointSaver:
         self._sealed = None
         start = time.monotonic()
         try:
-            if asynchronous and self._acc.distributed_type not in _NO_SNAPSHOT:
+            if asynchronous and (self._acc.distributed_type not in _NO_SNAPSHOT or is_sharded(self._acc)):
                 self._start_write(step, meta, start)
                 return None
             return self._save_blocking(step, meta, start)
@@ -295,7 +217,7 @@ class CheckpointSaver:
         if self._writer is not None:
             self._writer.join()
             self._writer, self._job = None, None
-        self._host.recycle()
+        self._snapshots.recycle()
         if everyone:
             self._acc.wait_for_everyone()
             if self._regrouped:
@@ -320,7 +242,7 @@ class CheckpointSaver:
         """Wait for the background write and, a while, for commits that wait for etcd; free the host memory."""
         self.wait()
         self._queue.wait(EXIT_SETTLE_S)
-        self._host = _HostCopy()
+        self._snapshots = Snapshotter(self._commit_timeout_s)
 
     def load(self, cp: Checkpoint) -> dict[str, Any]:
         """Load ``cp`` into the accelerator's objects with ``accelerator.load_state``; its manifest."""
@@ -372,48 +294,30 @@ class CheckpointSaver:
             bool(acc.project_configuration.save_on_each_node),
         )
         failure = _attempt(job.store.begin, step) if job.main else None
-        state, custom, rng = self._snapshot()
+        snapshot = self._snapshots.take(acc, is_sharded(acc))
         # the one collective of an async save: rank 0's fresh dir exists before any write, or nobody writes
         if not self._everyone_ok(failure is None):
             self._failed(step, failure, job.partial, job.main)
             return
         for hook in acc._save_model_state_pre_hook.values():  # as save_state does; a hook may edit the weights
-            hook(acc._models, state["model_states"], str(job.partial))
+            hook(acc._models, snapshot.state["model_states"], str(job.partial))
         acc.project_configuration.iteration += 1
-        args = (job, state, custom, rng, meta, start, time.monotonic() - start)
+        args = (job, snapshot, meta, start, time.monotonic() - start)
         # A daemon: a writer waiting for a dead rank's marker must not hold up this process's exit.
         self._writer = threading.Thread(target=self._write, args=args, name=f"elasticd-checkpoint-{step}", daemon=True)
         self._job = job
         self._writer.start()
 
-    def _snapshot(self) -> tuple[dict[str, Any], list[_Frozen], dict[str, Any]]:
-        """Host copies of ``save_accelerator_state``'s arguments and of the custom objects, and the RNG states."""
-        acc, host = self._acc, self._host
-        # accelerate's save() is a no-op on the other ranks: they write only their RNG file, so copy nothing else.
-        writes = acc.is_main_process or (acc.project_configuration.save_on_each_node and acc.is_local_main_process)
-        owned = (acc._models, acc._optimizers, acc._schedulers, acc._dataloaders, acc._custom_objects)
-        models, optimizers, schedulers, loaders, custom = owned if writes else ([], [], [], [], [])
-        state = {
-            "model_states": [host(acc.get_state_dict(m, unwrap=False)) for m in models],
-            "optimizers": [_Frozen(host(o.state_dict())) for o in optimizers],
-            "schedulers": [_Frozen(host(s.state_dict())) for s in schedulers],
-            "dataloaders": [_freeze_loader(d, host) for d in loaders],
-            "scaler": _Frozen(host(acc.scaler.state_dict())) if writes and acc.scaler is not None else None,
-            "step": acc.step,
-        }
-        return state, [_Frozen(host(o.state_dict())) for o in custom], _rng_state(acc.step)
-
-    def _write(
-        self, job: _Job, state: dict[str, Any], custom: list[_Frozen], rng: dict[str, Any], meta: dict[str, Any],
-        start: float, blocking_s: float,
-    ) -> None:  # fmt: skip
+    def _write(self, job: _Job, snapshot: Snapshot, meta: dict[str, Any], start: float, blocking_s: float) -> None:
         step, partial, each_node = job.step, job.partial, job.each_node
         try:
+            self._snapshots.write_shards(snapshot, partial)  # DCP's collectives: every rank, on the writers' group
+            state = snapshot.state
             save_accelerator_state(str(partial), **state, process_index=job.rank, save_on_each_node=each_node)
-            for index, obj in enumerate(custom):
+            for index, obj in enumerate(snapshot.custom):
                 save_custom_state(obj, str(partial), index, save_on_each_node=each_node)
             # save_accelerator_state wrote the RNG of this moment, mid-training; resuming needs the snapshot's.
-            torch.save(rng, partial / f"{RNG_STATE_NAME}_{job.rank}.pkl")
+            torch.save(snapshot.rng, partial / f"{RNG_STATE_NAME}_{job.rank}.pkl")
             self._emit(WRITTEN, step=step)
             job.check()  # no marker after a hand-over: rank 0 cannot seal what this rank gives up
             write_part(partial, job.rank)  # its files' hashes, in its marker: rank 0 commits once it sees every rank's

@@ -41,7 +41,7 @@ use_cpu: true
 """
 
 
-def fsdp2_config(mixed_precision: str = "no", **fsdp: object) -> str:
+def fsdp2_config(mixed_precision: str = "no", fsdp: dict[str, object] | None = None) -> str:
     """``accelerate config``'s file for FSDP2 on this CPU host, each Linear its own shard unit; ``fsdp``: other
     ``fsdp_config`` values."""
     settings = {
@@ -53,7 +53,7 @@ def fsdp2_config(mixed_precision: str = "no", **fsdp: object) -> str:
         "fsdp_reshard_after_forward": "true",
         "fsdp_state_dict_type": "SHARDED_STATE_DICT",
         "fsdp_version": 2,
-        **fsdp,
+        **(fsdp or {}),
     }
     body = WIZARD_CPU_BF16.replace("distributed_type: MULTI_CPU", "distributed_type: FSDP")
     body = body.replace("mixed_precision: bf16", f"mixed_precision: '{mixed_precision}'")
@@ -154,7 +154,7 @@ def test_an_fsdp_config_that_cannot_reshard_is_one_line_and_exit_2(
     tmp_path: Path, fsdp: dict[str, object], needle: str
 ) -> None:
     config = tmp_path / "accelerate.yaml"
-    config.write_text(fsdp2_config(**fsdp))
+    config.write_text(fsdp2_config(fsdp=fsdp))
     result, ranks = start(tmp_path, "--accelerate-config", str(config))
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()

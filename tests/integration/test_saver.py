@@ -41,6 +41,10 @@ WORKER = textwrap.dedent(
 
     mode, root = sys.argv[1], sys.argv[2]
     accelerator = Accelerator(cpu=True)  # on a CPU-only host, accelerate ignores WORLD_SIZE without cpu=True
+    sharded = mode == "sharded"
+    if sharded:  # accelerate's FSDP2 path on gloo, as elasticd.attach takes it (ACCELERATE_USE_FSDP and FSDP_*)
+        from elasticd.worker.fsdp import take_fsdp_path
+        assert take_fsdp_path(accelerator)
     rank = accelerator.process_index
     (open(os.path.join(root, f"pid-{rank}"), "w")).write(str(os.getpid()))
     torch.manual_seed(0)
@@ -59,10 +63,22 @@ WORKER = textwrap.dedent(
             accelerator.backward(model(torch.randn(8, 1024)).pow(2).mean())
             optimizer.step(); scheduler.step(); optimizer.zero_grad()
 
+    def local(x):  # this rank's shards, as plain tensors
+        if isinstance(x, dict):
+            return {k: local(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(local(v) for v in x)
+        return x.to_local().clone() if hasattr(x, "to_local") else copy.deepcopy(x)
+
     def state():
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+            weights, moments = get_model_state_dict(model), get_optimizer_state_dict(model, optimizer)
+        else:
+            weights, moments = accelerator.unwrap_model(model).state_dict(), optimizer.state_dict()
         return {
-            "model": {k: v.clone() for k, v in accelerator.unwrap_model(model).state_dict().items()},
-            "optimizer": copy.deepcopy(optimizer.state_dict()),
+            "model": local(dict(weights)),
+            "optimizer": local(moments),
             "scheduler": copy.deepcopy(scheduler.state_dict()),
             "rng": torch.get_rng_state(),
         }
@@ -95,7 +111,7 @@ WORKER = textwrap.dedent(
         commit_timeout_s=60 if mode == "handover" else 300,
     )
     train()
-    if mode == "roundtrip":
+    if mode in ("roundtrip", "sharded"):
         expected = {}
         for step, asynchronous in ((1, False), (2, False), (3, True), (4, True)):
             saver.save(step, {"world_size": accelerator.num_processes}, asynchronous=asynchronous)
@@ -160,7 +176,9 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
         kill_tree(process)
 
 
-def start(tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str, ranks: int = 2) -> Path:
+def start(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str, ranks: int = 2, env_extra: dict | None = None
+) -> Path:
     """Start the worker script in ``mode`` (under torchrun when ``ranks`` > 1); its output file."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -168,6 +186,7 @@ def start(tmp_path: Path, processes: list[subprocess.Popen[bytes]], mode: str, r
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     # One intra-op thread per rank: the machine has 2 cores shared with other test runs.
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT), SLOW_WRITE_SLEEP_S=str(SLOW_WRITE_SLEEP_S))
+    env.update(env_extra or {})
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] if ranks > 1 else []
     command = [sys.executable, *launcher, str(script), mode, str(tmp_path / "ckpt")]
     (tmp_path / "ckpt").mkdir(exist_ok=True)
@@ -220,6 +239,45 @@ def test_blocking_and_background_saves_write_save_state_files_that_reload_to_the
     async_blocking = [committed[s]["blocking_s"] for s in (3, 4)]
     assert min(async_blocking) < min(sync_blocking), (async_blocking, sync_blocking)
     assert all(committed[s]["total_s"] >= committed[s]["blocking_s"] for s in (3, 4))
+
+
+# What an accelerate config with FSDP2 and sharded state dicts gives a worker (elasticd/accelerate_env.py)
+FSDP2 = {
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+    "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP",
+    "FSDP_MIN_NUM_PARAMS": "100000",
+    "ACCELERATE_USE_CPU": "true",
+}
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S)
+def test_sharded_background_saves_stage_the_shards_and_reload_to_the_state_of_their_step(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    # accelerate's FSDP2: blocking saves are save_state's DCP files; background ones stage each rank's shards and
+    # write them through DCP while the next steps train, into the same layout, reloading to the snapshot's state
+    output = start(tmp_path, processes, "sharded", env_extra=FSDP2)
+    records = finish(processes[-1], output)
+    loaded = sorted((r["rank"], r["loaded"], r["equal"]) for r in records if "loaded" in r)
+    assert loaded == [(rank, step, True) for rank in (0, 1) for step in (1, 2, 3, 4)]
+    committed = {r["step"]: r for r in records if r.get("event") == "checkpoint_committed"}
+    assert sorted(committed) == [1, 2, 3, 4]
+    assert [committed[s]["asynchronous"] for s in (1, 2, 3, 4)] == [False, False, True, True]
+    checkpoints = store(tmp_path).committed()
+    names = [sorted(str(p.relative_to(cp.path)) for p in cp.path.rglob("*") if p.is_file()) for cp in checkpoints]
+    shards = [
+        f"{d}/{f}"
+        for d in ("optimizer_0", "pytorch_model_fsdp_0")
+        for f in (".metadata", "__0_0.distcp", "__1_0.distcp")
+    ]
+    expected = sorted([MANIFEST, *shards, "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"])
+    assert names == [expected] * 4  # the same files either way, no markers left
+    assert [store(tmp_path).verify(cp) for cp in checkpoints] == [None] * 4
+    sync_blocking = [committed[s]["blocking_s"] for s in (1, 2)]
+    async_blocking = [committed[s]["blocking_s"] for s in (3, 4)]
+    assert min(async_blocking) < min(sync_blocking), (async_blocking, sync_blocking)
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S)
