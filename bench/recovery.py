@@ -65,6 +65,11 @@ otherwise, and its results file is tagged ``-netns``. ``--etcd-profile default``
 heartbeat and election timeout (100 ms, 1 s; etcd's shortest lease is then 2 s) instead of the embedded etcd's
 (25 ms, 250 ms): what a production etcd gives the liveness design; its results file is tagged ``-etcddefaults``.
 
+``--sharded`` runs ``join`` and ``node_loss`` on a job whose model is sharded by accelerate's FSDP2 path (``SHARDED``
+in ``bench/workloads.py``: ~3.2M parameters, DCP checkpoints, the same FSDP variables in every system's workers),
+for elasticd (whose hot path declines a sharded model: every change restarts from the newest commit, resharded),
+torchrun and torchrun-tuned; its results file is tagged ``-sharded``.
+
 The raw results (commit, machine, versions, every sample, the summary) go to ``bench/results/recovery-<short
 commit>[-netns].json`` unless ``--json`` says otherwise (``-dirty`` is appended when ``elasticd/`` or ``examples/``
 differed from the commit).
@@ -121,7 +126,7 @@ from bench.common import (
     write_results,
 )
 from bench.hosts import NETNS_NETWORK, Loopback, Namespaces, Placement
-from bench.workloads import LARGE, SCRIPT_NAME, SMALL, Workload
+from bench.workloads import LARGE, SCRIPT_NAME, SHARDED, SMALL, Workload
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.options import MAX_RESTARTS as MAX_RESTARTS_OPTION
 from elasticd.rendezvous.handler import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, LAST_CALL_TIMEOUT_S
@@ -305,7 +310,7 @@ class Job(abc.ABC):
         return self.placement.command(name, self.command(name))
 
     def env(self) -> dict[str, str]:
-        return {}
+        return dict(self.workload.env)
 
     def start_node(self, name: str | None = None) -> Node:
         name = name or f"n{len(self.launcher.nodes)}"
@@ -468,6 +473,7 @@ class TorchrunJob(Job):
             "ELASTICD_RUN_ID": self.run_id,
             "ELASTICD_CHECKPOINT_EVERY_STEPS": str(CHECKPOINT_EVERY_STEPS),
             **({GLOO_SOCKET_IFNAME: interface} if interface else {}),
+            **dict(self.workload.env),
         }
 
     def start_initial(self) -> None:
@@ -968,9 +974,11 @@ def run_system_trial(
     code: Path,
     scenarios: Sequence[Scenario] | None = None,
     netns: bool = False,
+    sharded: bool = False,
 ) -> list[Sample]:
     """One trial of one system: per workload its scenarios need, a job with its own etcd (elasticd) or port
-    (torchrun), run id and checkpoint dir (``netns``: and network).
+    (torchrun), run id and checkpoint dir (``netns``: and network). ``sharded``: the 7 kB job's scenarios run on
+    the sharded job (``SHARDED``) instead.
 
     ``code`` is a :func:`snapshot_code` copy: every node imports elasticd from it and runs its train.py."""
     chosen = scenarios_for(system, netns, scenarios)
@@ -979,7 +987,8 @@ def run_system_trial(
         if mine := [sc for sc in chosen if sc.workload is workload and (sc in _ETCD_CLUSTER) == (members == 3)]:
             suffix = ("" if workload is SMALL else f"-{workload.name}") + ("-etcd3" if members == 3 else "")
             trial_dir = workdir / f"{system}-{trial}{suffix}"
-            samples += _run_job(system, trial, trial_dir, code, workload, mine, netns=netns, etcd_members=members)
+            trained = SHARDED if sharded and workload is SMALL else workload
+            samples += _run_job(system, trial, trial_dir, code, trained, mine, netns=netns, etcd_members=members)
     return samples
 
 
@@ -1229,6 +1238,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--logs", type=Path, help="keep every node's stdout/stderr here (default: a temp dir, kept on a failure)"
     )
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="the job shards its model with accelerate's FSDP2 (SHARDED); default scenarios join and node_loss, "
+        "systems elasticd, torchrun and torchrun-tuned; the results file is tagged -sharded",
+    )
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error("--trials must be at least 1")
@@ -1257,11 +1272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _etcd_profile = args.etcd_profile
     systems = [sy for sy in SYSTEMS if sy in args.only] if args.only else list(SYSTEMS)
     scenarios = [Scenario(sc) for sc in args.scenarios] if args.scenarios else None
+    if args.sharded:  # cold restarts for every system: elasticd's hot path declines a sharded model
+        systems = [sy for sy in systems if sy != "elasticd-cold"]
+        scenarios = scenarios or [Scenario.JOIN, Scenario.NODE_LOSS]
     workdir = args.logs or Path(tempfile.mkdtemp(prefix="elasticd-bench-recovery-"))
     workdir.mkdir(parents=True, exist_ok=True)
     revision = code_revision()
     code = snapshot_code(workdir / "code")
-    script_flags = sorted({a for w in (SMALL, LARGE) for a in w.script_args if a.startswith("--")})
+    script_flags = sorted({a for w in (SMALL, LARGE, SHARDED) for a in w.script_args if a.startswith("--")})
     daemon_flags = ["--checkpoint-every-steps", "--checkpoint-dir", "--max-restarts"]
     problem = preflight(code, script_flags, daemon_flags, "recovery.py")
     if problem is not None:
@@ -1274,7 +1292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Trials alternate between systems, so a slow spell of the machine does not land on one system only.
         for trial in range(1, args.trials + 1):
             for system in systems:
-                samples += run_system_trial(system, trial, workdir, code, scenarios, netns=args.netns)
+                samples += run_system_trial(
+                    system, trial, workdir, code, scenarios, netns=args.netns, sharded=args.sharded
+                )
     except KeyboardInterrupt:
         print(f"interrupted; node logs: {workdir}", file=sys.stderr)
         return 130
@@ -1282,6 +1302,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(render(rows))
     failed = any(s.seconds is None for s in samples)
     tag = ("netns" if args.netns else "") + ("etcddefaults" if args.etcd_profile == "default" else "")
+    tag += "sharded" if args.sharded else ""
     out = args.json or results_path("recovery", revision, tag=tag)
     report = {
         **report_header("recovery.py", argv, revision),
@@ -1291,8 +1312,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "script_args": list(SCRIPT_ARGS),
             "workloads": {
                 w.name: {"script_args": list(w.script_args), "parameters": w.parameters, "state_bytes": w.state_bytes}
-                for w in (SMALL, LARGE)
+                for w in (SMALL, LARGE, SHARDED)
             },
+            "sharded": {"env": dict(SHARDED.env)} if args.sharded else None,
             "max_restarts": MAX_RESTARTS,
             "etcd_profile": args.etcd_profile,
             "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,

@@ -22,6 +22,8 @@ class Workload:
     steady_steps: int  # steps at the expected size before a measurement
     # every wait of bench/recovery.py (steady state, recovery) gets this many times its timeout: slow steps
     timeout_scale: float = 1.0
+    # what every node's environment adds (the sharded job: accelerate's FSDP2 variables, as its config gives them)
+    env: tuple[tuple[str, str], ...] = ()
 
     @property
     def state_bytes(self) -> int:
@@ -44,4 +46,21 @@ LARGE = Workload(
     mlp_parameters(4096, 7),
     steady_steps=4,
     timeout_scale=2.5,
+)
+# The sharded job (bench/recovery.py --sharded): examples/train.py's MLP at 4 layers of 1024 units (~3.2M parameters,
+# ~38 MB of weights and AdamW moments) sharded by accelerate's FSDP2 path, each Linear its own shard unit, with DCP
+# checkpoints. The same variables reach every system's workers: elasticd's and torchrun's.
+FSDP2_ENV = (
+    ("ACCELERATE_USE_FSDP", "true"),
+    ("FSDP_VERSION", "2"),
+    ("FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"),
+    ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"),
+    ("FSDP_MIN_NUM_PARAMS", "100000"),
+)
+SHARDED = Workload(
+    "sharded",
+    ("--width", "1024", "--depth", "4", "--sleep", "0.05", "--epochs", "1000"),
+    mlp_parameters(1024, 4),
+    steady_steps=10,
+    env=FSDP2_ENV,
 )
