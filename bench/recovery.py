@@ -1077,7 +1077,8 @@ def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
 
 
 def phase_medians(samples: Sequence[Sample]) -> dict[str, float]:
-    keys = sorted({k for s in samples for k in s.milestones}, key=_PHASE_ORDER.index)
+    # a figure the order does not name yet goes last rather than losing the run's samples
+    keys = sorted({k for s in samples for k in s.milestones}, key=lambda k: (_PHASE_ORDER + [k]).index(k))
     return {k: round(statistics.median(s.milestones[k] for s in samples if k in s.milestones), 2) for k in keys}
 
 
@@ -1091,6 +1092,7 @@ _PHASE_ORDER = [
     "completed_after_fault",
     "step_interval",
     "beyond_step",
+    "step_before",
     "stall",
     "stall_total",
     "ready_to_step",
