@@ -1078,7 +1078,7 @@ def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
 
 def phase_medians(samples: Sequence[Sample]) -> dict[str, float]:
     # a figure the order does not name yet goes last rather than losing the run's samples
-    keys = sorted({k for s in samples for k in s.milestones}, key=lambda k: (_PHASE_ORDER + [k]).index(k))
+    keys = sorted({k for s in samples for k in s.milestones}, key=lambda k: [*_PHASE_ORDER, k].index(k))
     return {k: round(statistics.median(s.milestones[k] for s in samples if k in s.milestones), 2) for k in keys}
 
 

@@ -146,7 +146,9 @@ def recovery_table(results: dict[str, Any]) -> str:
                 cells.append(f"**{_seconds(data['median_s'])}** ({samples})")
             else:
                 cells.append("n/a")
-        body.append([*cells, _ratio(row.get("ratio_tuned_over_elasticd")), _recovery_target(row)])
+        # the targets are the replicated job's recovery in place: a sharded job restarts cold in every system
+        target = "n/a (sharded: cold restarts)" if config.get("sharded") else _recovery_target(row)
+        body.append([*cells, _ratio(row.get("ratio_tuned_over_elasticd")), target])
     head = ["scenario", *(f"{s} median s (samples)" for s in systems), "tuned / elasticd", "target"]
     lines += _table(head, body)
     lines += _join_pauses(results, systems)
@@ -178,12 +180,19 @@ def _recovery_setup(config: dict[str, Any]) -> str:
     """What the job was: the network and backend, the state a change in place broadcasts, the restart budget."""
     backend = config.get("backend", "gloo (CPU), one worker per node, 127.0.0.1")
     workloads = config.get("workloads")
+    if config.get("sharded") and workloads:  # --sharded: every row ran the sharded job
+        workloads = {"sharded": workloads["sharded"]}
     if workloads:
         state = "; ".join(
             f"{name} job: `{' '.join(w['script_args'])}`, {w['parameters']:,} parameters,"
             f" {_bytes(w['state_bytes'])} of fp32 weights and AdamW moments"
             for name, w in workloads.items()
         )
+        if config.get("sharded"):
+            state += (
+                ", sharded by accelerate's FSDP2 path over gloo in every system's workers"
+                f" ({', '.join(f'{k}={v}' for k, v in config['sharded']['env'].items())}), DCP checkpoints"
+            )
     else:  # every file before the large state trained examples/train.py's default model (width 32, depth 1)
         old = Workload("small", tuple(config.get("script_args", [])), mlp_parameters(32, 1), steady_steps=10)
         state = f"`{' '.join(old.script_args)}`: {old.parameters:,} parameters, {_bytes(old.state_bytes)} of fp32"
@@ -201,7 +210,9 @@ def _recovery_setup(config: dict[str, Any]) -> str:
 
 
 def _bytes(n: int) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e3:.0f} kB"
+    if n >= 1e8:
+        return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e3:.0f} kB"
 
 
 def _recovery_target(row: dict[str, Any]) -> str:
