@@ -170,3 +170,25 @@ def test_a_rank_killed_mid_sharded_save_leaves_nothing_that_is_ever_loaded(etcd:
         assert not list(run_dir.rglob("*.done*")), "a rank's marker outlived its commit"
         lines = list(read_json_lines(node.out))
         assert [e["step"] for e in lines if e.get("event") == "done"] == [50]
+
+
+def test_a_torn_shard_in_the_newest_checkpoint_falls_back_to_the_one_before_resharded(tmp_path: Path) -> None:
+    # One rank's DCP shard of the newest commit cut in half (a torn write its manifest entry catches): the restart,
+    # at 3 processes where 2 wrote it, says so and loads the commit before it, resharded, and trains to the end.
+    from tests.integration.test_daemon_run import EXAMPLE, elasticd
+
+    config = _config(tmp_path, "no")
+    args = ["start", "--metrics-port", "0", "--log-format", "json", "--run-id", "torn", "--checkpoint-every-steps"]
+    args += ["10", "--accelerate-config", str(config)]
+    first = elasticd(*args, "--nproc-per-node", "2", str(EXAMPLE), *train_args(20, 0.0), cwd=tmp_path, timeout_s=150)
+    assert first.returncode == 0, first.stderr[-3000:]
+    shard = tmp_path / "checkpoints" / "torn" / "step-000000000020" / "pytorch_model_fsdp_0" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    second = elasticd(*args, "--nproc-per-node", "3", str(EXAMPLE), *train_args(30, 0.0), cwd=tmp_path, timeout_s=150)
+    assert second.returncode == 0, second.stderr[-3000:]
+    events = [json.loads(line) for line in second.stderr.splitlines() if line.startswith("{")]
+    unusable = [e for e in events if e.get("event") == "checkpoint_unusable"]
+    assert unusable and "pytorch_model_fsdp_0/__1_0.distcp" in unusable[0]["reason"], unusable
+    assert {e["step"] for e in events if e.get("event") == "resumed"} == {10}
+    done = [json.loads(line) for line in second.stdout.splitlines() if '"done"' in line]
+    assert [e["step"] for e in done] == [30]
