@@ -76,10 +76,11 @@ def build_manifest(directory: Path, meta: dict[str, Any], parts: Parts | None = 
 
 def own_files(directory: Path, rank: int) -> list[Path]:
     """The files of ``directory`` that ``rank`` wrote, by the names accelerate and DCP give them: DCP's
-    ``__{rank}_{n}.distcp`` (``FileSystemWriter``'s per-rank prefix), accelerate's ``random_states_{rank}.pkl`` and
-    per-rank ``*_rank{rank}.bin``. Whatever no rank claims (DCP's ``.metadata``, the scheduler, the sampler) rank 0's
-    seal hashes itself."""
-    names = re.compile(rf"(__{rank}_\d+\.distcp|.*_{rank}\.pkl|.*_rank{rank}\.bin)")
+    ``__{rank}_{n}.distcp`` (``FileSystemWriter``'s per-rank prefix), accelerate's ``random_states_{rank}.pkl``
+    (its ``RNG_STATE_NAME``) and per-rank ``*_rank{rank}.bin``. Whatever no rank claims (DCP's ``.metadata``, the
+    scheduler, the sampler, rank 0's ``custom_checkpoint_{i}.pkl``, whose index is not a rank) rank 0's seal hashes
+    itself."""
+    names = re.compile(rf"(__{rank}_\d+\.distcp|random_states_{rank}\.pkl|.*_rank{rank}\.bin)")
     return sorted(p for p in directory.rglob("*") if p.is_file() and names.fullmatch(p.name))
 
 

@@ -43,7 +43,9 @@ def _write(directory: Path, names: list[str]) -> None:
 
 
 def test_each_rank_claims_its_shards_and_rng_and_nothing_shared(tmp_path: Path) -> None:
-    _write(tmp_path, [*SHARDED_SAVE, "pytorch_model_fsdp_0_rank1.bin", "random_states_10.pkl"])
+    # custom_checkpoint_1.pkl: rank 0's second registered object, not rank 1's
+    extra = ["pytorch_model_fsdp_0_rank1.bin", "random_states_10.pkl", "custom_checkpoint_1.pkl"]
+    _write(tmp_path, [*SHARDED_SAVE, *extra])
     names = {rank: [str(p.relative_to(tmp_path)) for p in own_files(tmp_path, rank)] for rank in (0, 1)}
     assert names[0] == ["optimizer_0/__0_0.distcp", "pytorch_model_fsdp_0/__0_0.distcp", "random_states_0.pkl"]
     assert names[1] == [
