@@ -420,6 +420,107 @@ _SHARDED_SNAPSHOT = (
     ),
 )
 
+_FSDP2 = "torch.distributed.fsdp._fully_shard"
+_REMESH = ("elasticd.worker.hot.remesh",)
+
+# Moving an FSDP2 model onto a mesh of another size in place (worker/hot/remesh.py): what fully_shard does at wrap
+# time, redone per FSDP state. Not armed by any job yet (the sharded hot path is being built: issue 26).
+_SHARDED_IN_PLACE = (
+    Surface(
+        f"{_FSDP2}._fsdp_init._init_param_group",
+        _REMESH,
+        "builds a state's parameter groups over a mesh from plain parameters, as fully_shard does",
+        every(
+            callable_with(
+                f"{_FSDP2}._fsdp_init:_init_param_group",
+                "state",
+                "params",
+                "modules",
+                "mesh_info",
+                "post_forward_mesh_info",
+                "device",
+                "shard_placement_fn",
+                "mp_policy",
+                "offload_policy",
+                "reshard_after_forward",
+            ),
+            mentions(f"{_FSDP2}._fsdp_init:_init_param_group", "state._fsdp_param_groups.append("),
+        ),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
+    Surface(
+        f"{_FSDP2}._fully_shard._get_mesh_info",
+        _REMESH,
+        "the mesh info of a 1-D mesh, and the post-forward one of reshard_after_forward=True",
+        every(
+            callable_with(f"{_FSDP2}._fully_shard:_get_mesh_info", "mesh", "dp_mesh_dims"),
+            _is_callable(f"{_FSDP2}._fully_shard:_get_post_forward_mesh_info"),
+        ),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
+    Surface(
+        f"{_FSDP2}._fully_shard._get_post_forward_mesh_info",
+        _REMESH,
+        "the post-forward mesh info of a rebuilt group that resharded after forward (reshard_after_forward=True)",
+        callable_with(f"{_FSDP2}._fully_shard:_get_post_forward_mesh_info", "reshard_after_forward", "mesh_info"),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
+    Surface(
+        f"{_FSDP2}._fsdp_state._get_module_fsdp_state",
+        _REMESH,
+        "each FSDP state of the model (one per fully_shard call)",
+        callable_with(f"{_FSDP2}._fsdp_state:_get_module_fsdp_state", "module"),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
+    *(
+        Surface(
+            f"{_FSDP2}._fsdp_state.FSDPState.{attribute}",
+            _REMESH,
+            what,
+            every(
+                assigned(f"{_FSDP2}._fsdp_state:FSDPState.__init__", attribute),
+                mentions(f"{_FSDP2}._fsdp_state:FSDPState._lazy_init", needle),
+            ),
+            Fallback.COLD_RECOVERY,
+            Process.WORKER,
+        )
+        for attribute, needle, what in (
+            ("_fsdp_param_groups", "state._fsdp_param_groups", "a state's parameter groups, rebuilt over the new mesh"),
+            ("_is_root", "if self._is_root is not None:", "reset to None: the next forward redoes the lazy init"),
+            ("_state_ctx", "self._state_ctx.all_states.append(", "a new context: the lazy init lists the states anew"),
+        )
+    ),
+    Surface(
+        f"{_FSDP2}._fsdp_param.FSDPParam._module_info",
+        _REMESH,
+        "the module and attribute name (and shared ones) a parameter lives at: the plain parameter goes back there",
+        every(
+            mentions(f"{_FSDP2}._fsdp_param:FSDPParam.__init__", "self._module_info"),
+            mentions(f"{_FSDP2}._fsdp_param:FSDPParam._setattr_on_modules", "shared_modules", "shared_param_names"),
+        ),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
+    *(
+        Surface(
+            f"{_FSDP2}._fsdp_param_group.FSDPParamGroup.{attribute}",
+            _REMESH,
+            "the old group's state-dict hook handles, removed before its modules get a rebuilt group's hooks",
+            mentions(f"{_FSDP2}._fsdp_param_group:FSDPParamGroup._register_state_dict_hooks", f"self.{attribute}"),
+            Fallback.COLD_RECOVERY,
+            Process.WORKER,
+        )
+        for attribute in (
+            "_module_to_pre_save_state_dict_hook_handle",
+            "_module_to_pre_load_state_dict_hook_handle",
+        )
+    ),
+)
+
 _MP = "torch.distributed.elastic.multiprocessing.api"
 
 _WARM_STARTS = (
@@ -449,4 +550,12 @@ _WARM_STARTS = (
     ),
 )
 
-TORCH: tuple[Surface, ...] = (*_AGENT, *_RENDEZVOUS, *_HOT_PATH, *_DIAGNOSTICS, *_WARM_STARTS, *_SHARDED_SNAPSHOT)
+TORCH: tuple[Surface, ...] = (
+    *_AGENT,
+    *_RENDEZVOUS,
+    *_HOT_PATH,
+    *_DIAGNOSTICS,
+    *_WARM_STARTS,
+    *_SHARDED_SNAPSHOT,
+    *_SHARDED_IN_PLACE,
+)
