@@ -54,6 +54,7 @@ class StartConfig:
     drain_timeout_s: float = o.DRAIN_TIMEOUT.default  # SIGTERM / stop: budget for the checkpoint first
     on_nan: OnNan = o.ON_NAN.default
     recovery: Recovery = o.RECOVERY.default  # hot: survivors re-form in place; cold: restart from a checkpoint
+    shard_mirror_every: int = o.SHARD_MIRROR_EVERY.default  # sharded jobs: shards in a peer's memory every K steps
     max_restarts: int = o.MAX_RESTARTS.default
     monitor_interval_s: float = o.MONITOR_INTERVAL.default
     metrics_port: int = o.METRICS_PORT.default

@@ -49,6 +49,7 @@ class Kind(StrEnum):
     CHECKPOINT_UNUSABLE = "checkpoint_unusable"  # a checkpoint failed verification and was skipped on resume
     RECONFIGURED = "reconfigured"  # the group re-formed in place (hot recovery); the first step at the new size
     HOT_FALLBACK = "hot_fallback"  # the worker gives up the hot path and exits for a cold restart
+    SHARD_MIRRORED = "shard_mirrored"  # a sharded job's mirror generations since the last such beat (their sums)
 
 
 class Capability(StrEnum):
@@ -93,14 +94,16 @@ FIELDS: Mapping[Kind, frozenset[str]] = {
             "token",
             "lost_nodes",
             "node_ids",
+            "step",
         }
     ),
     Kind.HOT_FALLBACK: frozenset({"reason", "message"}),
+    Kind.SHARD_MIRRORED: frozenset({"step", "generations", "blocking_s", "total_s", "bytes"}),
 }
 
 # The types the daemon checks, in any kind that has the field (a message that breaks one is dropped).
 RANK_FIELDS = (RANK, LOCAL_RANK)  # integers in [0, 2^24)
-COUNT_FIELDS = ("step", "samples", "exit_code", "pid")  # integers >= 0
+COUNT_FIELDS = ("step", "samples", "exit_code", "pid", "generations", "bytes")  # integers >= 0
 SECONDS_FIELDS = (TS, "step_time_s", "train_s", "own_s", "blocking_s", "total_s")  # finite numbers >= 0
 NUMBER_FIELDS = ("loss",)  # any number: nan and inf are what the guard reports
 LIST_FIELDS = ("capabilities",)

@@ -32,6 +32,7 @@ HOT_FALLBACK_REASONS = (
     "decision_timeout",
     "etcd",
     "unsupported",
+    "no_mirror",
     "other",
 )
 
@@ -83,6 +84,8 @@ class Metrics:
     heal_bytes_total: Counter
     membership_epoch: Gauge
     hot_fallbacks_total: Counter
+    shard_mirror_seconds: Histogram
+    shard_mirror_bytes_total: Counter
 
     @classmethod
     def create(
@@ -190,6 +193,17 @@ class Metrics:
                 ["reason"],
                 **kw,
             ),
+            shard_mirror_seconds=Histogram(
+                "elasticd_shard_mirror_seconds",
+                "A sharded job's shard mirror per generation and worker: blocking (the step waits: copy, and the"
+                " previous generation still in flight) and total (to the end of the exchange with the ring peers).",
+                ["phase"],
+                buckets=_CKPT_BUCKETS,
+                **kw,
+            ),
+            shard_mirror_bytes_total=Counter(
+                "elasticd_shard_mirror_bytes", "Bytes this node's workers sent to their ring peers' mirrors.", **kw
+            ),
         )
         m.info.labels(version=version, node=node).set(1)
         m.min_nodes.set(min_nodes)
@@ -200,6 +214,7 @@ class Metrics:
             m.nonfinite_steps_total.labels(action=action)
         for phase in CHECKPOINT_PHASES:
             m.checkpoint_duration_seconds.labels(phase=phase)
+            m.shard_mirror_seconds.labels(phase=phase)
         for reason in CHECKPOINT_FAILURE_REASONS:
             m.checkpoint_failures_total.labels(reason=reason)
         for reason in RECONFIGURATION_REASONS:

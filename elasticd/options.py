@@ -269,6 +269,16 @@ RECOVERY = Option(
     worker=True,
     worker_default="cold",  # without a daemon nothing can re-form a group
 )
+SHARD_MIRROR_EVERY = Option(
+    "--shard-mirror-every",
+    1,
+    "Sharded (FSDP2) jobs, --recovery hot: copy each rank's shards to another node's memory every K optimizer steps"
+    " (a node loss then redoes at most K-1 steps, without a restart); 0: no mirrors, a loss restarts from the"
+    " checkpoint.",
+    "int",
+    check=at_least(0),
+    worker=True,
+)
 MAX_RESTARTS = Option(
     "--max-restarts", 20, "Worker-group restarts on failure (torchrun's meaning).", "int", check=at_least(0)
 )

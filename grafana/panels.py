@@ -359,6 +359,23 @@ def _hot_recovery() -> list[PanelSpec]:
             ],
             bars=True,
         ),
+        PanelSpec(
+            "Shard mirror time",
+            "A sharded job's copy of each worker's shards into another node's memory, per generation (p90 over the "
+            "workers): blocking, what a step waits; total, to the end of the exchange with the ring peers.",
+            [Query(_quantile(0.9, "elasticd_shard_mirror_seconds_bucket", "le, phase"), "p90 {{phase}}")],
+            unit="s",
+            width=8,
+        ),
+        PanelSpec(
+            "Shard mirror bytes",
+            "Bytes each node's workers sent to their ring peers' mirrors, per window (sharded jobs, "
+            "--shard-mirror-every).",
+            [Query(per_node(rate("increase", "elasticd_shard_mirror_bytes_total")), "{{node}}")],
+            unit="bytes",
+            bars=True,
+            width=8,
+        ),
     ]
 
 

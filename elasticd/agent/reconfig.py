@@ -50,6 +50,8 @@ class Reconfigurations:
         kind = kind_of(beat)
         if kind is Kind.RECONFIGURED and (heal_bytes := _count(beat, "heal_bytes")):
             self._metrics.heal_bytes_total.inc(heal_bytes)
+        if kind is Kind.SHARD_MIRRORED:
+            self._mirrored(beat)  # every worker's own shards
         if beat.get("local_rank", 0) != 0:
             return
         if kind is Kind.RECONFIGURED:
@@ -89,6 +91,7 @@ class Reconfigurations:
             seconds=round(seconds, 3) if seconds is not None else beat.get("seconds"),
             heal_bytes=beat.get("heal_bytes"),
             lost_steps=beat.get("lost_steps"),
+            step=beat.get("step"),
             token=beat.get("token"),
             rank=beat.get("rank"),
         )
@@ -100,6 +103,19 @@ class Reconfigurations:
         for node in lost_nodes:
             # the same event as after a rendezvous that lost a node: operators follow one name either way
             self._log().warning("node_lost", lost_node=node, in_place=True)
+
+    def _mirrored(self, beat: dict[str, Any]) -> None:
+        """A worker's mirror generations since its last such beat, as sums: each generation is observed at the
+        beat's mean (a worker sends at most a few a second, not one per generation)."""
+        m = self._metrics
+        generations = _count(beat, "generations") or 0
+        for phase, key in (("blocking", "blocking_s"), ("total", "total_s")):
+            seconds = _seconds(beat, key)
+            if seconds is not None and generations:
+                for _ in range(min(generations, 1000)):
+                    m.shard_mirror_seconds.labels(phase=phase).observe(seconds / generations)
+        if sent := _count(beat, "bytes"):
+            m.shard_mirror_bytes_total.inc(sent)
 
     def _fallback(self, beat: dict[str, Any]) -> None:
         reason = str(beat.get("reason"))

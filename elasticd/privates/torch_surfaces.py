@@ -519,6 +519,15 @@ _SHARDED_IN_PLACE = (
             "_module_to_pre_load_state_dict_hook_handle",
         )
     ),
+    Surface(
+        f"{_FSDP2}._fsdp_param.FSDPParam._post_load_hook_handle",
+        _REMESH,
+        "an old parameter's load_state_dict post-hook, removed with it: it would re-pad a loaded shard to the old"
+        " world's size (a checkpoint loaded in place after a re-mesh)",
+        mentions(f"{_FSDP2}._fsdp_param:FSDPParam.__init__", "self._post_load_hook_handle"),
+        Fallback.COLD_RECOVERY,
+        Process.WORKER,
+    ),
 )
 
 _MP = "torch.distributed.elastic.multiprocessing.api"

@@ -38,6 +38,7 @@ from elasticd.worker.hot.session import (
     advertised_host,
     is_gloo_world,
 )
+from elasticd.worker.hot.shard_heal import Sharding
 
 if TYPE_CHECKING:
     from elasticd.board import SlotWriter
@@ -80,6 +81,8 @@ class RunPort(Protocol):
 
     def plan_for(self, world_size: int) -> BatchPlan | None: ...
 
+    def reload(self) -> TrainingState | None: ...
+
     def regrouped(
         self,
         rank: int,
@@ -100,8 +103,6 @@ _REACH_POLL_S = 0.5
 # cold path); each call waits at most ETCD_REQUEST_TIMEOUT_S on one member before trying another.
 ETCD_ELECTION_GRACE_S = 15.0
 ETCD_REQUEST_TIMEOUT_S = 2.0
-# Why a sharded job recovers cold: a lost node's shards are in no survivor's memory (in place: a later issue).
-SHARDED = "FSDP (sharded model): a lost node's shards are on disk only, so every change restarts from the checkpoint"
 
 
 class JoinerNotNeeded(ElasticdError):
@@ -123,8 +124,7 @@ class HotPath:
         if run.world_size < 2 and not joining:
             run.log.info("hot_recovery_off", reason="a world of one worker has nobody to re-form with")
             return None
-        if fsdp.is_fsdp(run.accelerator):
-            return cls._unsupported(run, SHARDED)
+        sharding = Sharding(s.shard_mirror_every, s.nproc_per_node) if fsdp.is_fsdp(run.accelerator) else None
         if not is_gloo_world():
             return cls._unsupported(run, "a process group other than gloo's default one (NCCL: not yet wired)")
         try:
@@ -160,6 +160,8 @@ class HotPath:
                 identity=identity,
                 fence=s.fence_token,
                 faults=run.faults,
+                sharded=sharding,
+                reload=run.reload,
             )
             session.start(advertised_host(s.local_addr), joining=joining)
         except HotRecoveryError as exc:  # an unsupported setup, or torch/accelerate moved a surface we rely on
@@ -269,6 +271,7 @@ class HotPath:
             "nodes": max(1, recovered.world_size // max(1, run.settings.nproc_per_node)),
             "heal_bytes": recovered.heal_bytes,
             "lost_steps": lost,
+            "step": recovered.state.step,  # the step training went on from
             "token": recovered.epoch.token,
             "lost_nodes": list(recovered.lost_nodes),
             "node_ids": list(recovered.nodes),
@@ -285,7 +288,12 @@ class HotPath:
         )
 
     def stepped(self) -> None:
-        """After every completed optimizer step: the first one at a new size reports the recovery."""
+        """After every completed optimizer step: a sharded job's mirror; the first one at a new size reports the
+        recovery."""
+        self.session.after_step(self.run.state)
+        mirrored = self.session.mirror_report()
+        if mirrored is not None:
+            self.run.beats.send(Kind.SHARD_MIRRORED, step=self.run.state.step, **mirrored)
         if self._report is None:
             return
         report, self._report = self._report, None

@@ -169,29 +169,36 @@ class Run:
             scheduler.split_batches = True
         self.slot.set_phase(Phase.LOADING)
         # a joiner takes its state from a live peer when it is admitted (in HotPath.arm), not from disk
-        checkpoint = self._resume_point() if self.settings.join_round is None else None
+        checkpoint = self._resume_point(self.world_size) if self.settings.join_round is None else None
         if checkpoint is not None:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
-        self._reseed()
+        reseed(self._seed, self.state.step, self.rank)
         self.hot = HotPath.arm(self, model, optimizer, scheduler)
         self.coordinator.listen()
-        # only now may the daemon send SIGUSR2 (its default action would kill this process), and SIGUSR1 for stacks
-        capabilities = [
-            Capability.CHECKPOINT_REQUEST,
-            *([Capability.STACKS] if self.diagnostics else []),
-            *([Capability.IN_PLACE] if self.hot is not None else []),
-        ]
-        self.beats.send(Kind.HELLO, capabilities=capabilities, pid=os.getpid())
-        self.beats.send(Kind.RESUMED, step=self.state.step)
+        _greet_daemon(self)
         self.slot.resumed(self.state.step)
         self._step_started = time.perf_counter()
         return self.state
 
-    def _resume_point(self) -> Checkpoint | None:
-        """The checkpoint every rank loads (a collective call; ``resume_point.py``)."""
-        bad = self.save_events.bad_checkpoint
-        return resume_point.choose(self.accelerator, self.store, self.fence, self.world_size, self.log, bad)
+    def _resume_point(self, world: int) -> Checkpoint | None:
+        """The checkpoint every rank loads (a collective call; ``resume_point.py``), for ``world`` ranks."""
+        return resume_point.choose(
+            self.accelerator, self.store, self.fence, world, self.log, self.save_events.bad_checkpoint
+        )
+
+    def reload(self) -> TrainingState | None:
+        """In place, once the group re-formed (a sharded job whose state no member holds): the newest committed
+        checkpoint loaded into the prepared objects by every rank of the new group; None when there is none."""
+        self.saver.regroup()  # a write of the old group in flight stays the old group's
+        checkpoint = self._resume_point(int(self.accelerator.num_processes))  # the re-formation told accelerate
+        if checkpoint is None:
+            return None
+        reached = self.state  # the step it had reached stays until regrouped(): the steps redone count from it
+        self._load(checkpoint)
+        loaded, self.state = self.state, reached
+        self.log.info("reloaded_in_place", step=loaded.step, path=str(checkpoint.path))
+        return loaded
 
     def _load(self, checkpoint: Checkpoint) -> None:
         manifest = self.saver.load(checkpoint)
@@ -206,9 +213,6 @@ class Run:
         self.accelerator.step = 0
         self._micro = 0
 
-    def _reseed(self) -> None:
-        reseed(self._seed, self.state.step, self.rank)
-
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def batches(self, loader: ElasticLoader, epochs: int = 1) -> Iterator[Any]:
@@ -221,9 +225,10 @@ class Run:
             slices: deque[StepSlice] = deque()
 
             def micro_stream(slices: deque[StepSlice] = slices, loader: ElasticLoader = loader) -> Iterator[Any]:
-                for step_slice in loader.sampler.steps(
-                    self.state.data, epochs, self.state.skipped_steps, on_skip=self._stepped_over
-                ):
+                def skipped(s: StepSlice) -> None:
+                    self.log.info("batch_skipped", epoch=s.epoch, position=s.position)
+
+                for step_slice in loader.sampler.steps(self.state.data, epochs, self.state.skipped_steps, skipped):
                     slices.append(step_slice)
                     yield from step_slice.micro_batches
 
@@ -337,7 +342,7 @@ class Run:
         self._micro = 0
         self.accelerator.step = 0
         self.log = get_logger(rank=rank, run_id=self.settings.run_id)
-        self._reseed()
+        reseed(self._seed, self.state.step, self.rank)
         self._generation += 1  # batches() restarts from the healed position with the new plan
         self.slot.resumed(self.state.step)
         self._step_started = time.perf_counter()
@@ -369,7 +374,7 @@ class Run:
         self._bad.clear()
         self.slot.set_phase(Phase.LOADING)
         self.saver.wait(everyone=True)  # the last save is decided before rank 0 chooses what to load
-        checkpoint = self._resume_point()
+        checkpoint = self._resume_point(self.world_size)
         keep = replace(self.state, skipped_steps=self.state.skipped_steps | bad, rollbacks=self.state.rollbacks + 1)
         if checkpoint is not None:
             self._load(checkpoint)
@@ -379,7 +384,7 @@ class Run:
                 nonfinite_steps=keep.nonfinite_steps,
                 rollbacks=keep.rollbacks,
             )
-            self._reseed()
+            reseed(self._seed, self.state.step, self.rank)
         else:
             self.state = keep  # nothing to roll back to: the bad batches are already behind us
         self._generation += 1
@@ -417,9 +422,6 @@ class Run:
             # the daemon waits for this before a planned change; a refused or failed commit: the steps since are redone
             self.beats.send(Kind.CHECKPOINT_SAVED, step=self.state.step, requested=True, committed=bool(committed))
 
-    def _stepped_over(self, step_slice: StepSlice) -> None:
-        self.log.info("batch_skipped", epoch=step_slice.epoch, position=step_slice.position)
-
     def close(self) -> None:
         """Finish the background checkpoint write; call on every rank before exit."""
         self.slot.set_phase(Phase.DONE)
@@ -450,3 +452,15 @@ def reseed(seed: int, step: int, rank: int) -> None:
     random.seed(derived)
     np.random.seed(derived)
     torch.manual_seed(derived)
+
+
+def _greet_daemon(run: Run) -> None:
+    """Once resumed: only now may the daemon send SIGUSR2 (its default action would kill this process), and SIGUSR1
+    for stacks; the capabilities say which it may."""
+    capabilities = [
+        Capability.CHECKPOINT_REQUEST,
+        *([Capability.STACKS] if run.diagnostics else []),
+        *([Capability.IN_PLACE] if run.hot is not None else []),
+    ]
+    run.beats.send(Kind.HELLO, capabilities=capabilities, pid=os.getpid())
+    run.beats.send(Kind.RESUMED, step=run.state.step)

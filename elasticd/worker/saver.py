@@ -233,6 +233,7 @@ class CheckpointSaver:
         if self._job is not None:
             self._job.handed_over.set()
         self._regrouped = True
+        self._snapshots.regroup()
 
     def _sweep_lost(self) -> None:
         if self._sweep is not None and self._acc.is_main_process:

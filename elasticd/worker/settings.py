@@ -34,6 +34,7 @@ class WorkerSettings:
     min_nodes: int | None = None
     max_nodes: int | None = None
     recovery: str = o.RECOVERY.worker_default  # "hot" under a daemon that asks for it (--recovery)
+    shard_mirror_every: int = o.SHARD_MIRROR_EVERY.default
     node_id: str | None = None
     local_addr: str | None = None
     # what the daemon tells its workers besides (envvars.py), and torchrun's own

@@ -120,6 +120,7 @@ class Snapshot:
     custom: list[Frozen]
     rng: dict[str, Any]
     shards: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    group: Any = None  # the gloo group the shards are written over: the world's they were taken in
 
 
 def is_sharded(acc: Accelerator) -> bool:
@@ -157,7 +158,8 @@ class Snapshotter:
             "step": acc.step,
         }
         shards = self._stage_shards(acc) if sharded else []
-        return Snapshot(state, [Frozen(host(o.state_dict())) for o in custom], rng_state(acc.step), shards)
+        custom_state = [Frozen(host(o.state_dict())) for o in custom]
+        return Snapshot(state, custom_state, rng_state(acc.step), shards, self._group if sharded else None)
 
     def _stage_shards(self, acc: Accelerator) -> list[tuple[str, dict[str, Any]]]:
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -185,7 +187,13 @@ class Snapshotter:
         import torch.distributed.checkpoint as dcp
 
         for name, state in snapshot.shards:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial / name), process_group=self._group)
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(partial / name), process_group=snapshot.group)
+
+    def regroup(self) -> None:
+        """The group re-formed in place: the next sharded save writes over a group of the new world (one in flight
+        keeps its own), into buffers of the new shards' shapes."""
+        self._group = None
+        self._staged = {}
 
     def recycle(self) -> None:
         """The last snapshot is written (or given up): its buffers may be reused."""

@@ -37,7 +37,7 @@ def _config(tmp_path: Path, mixed_precision: str) -> Path:
     return config
 
 
-def _cluster(workdir: Path, etcd: str, config: Path, run_id: str, *, disturb: bool) -> Cluster:
+def _cluster(workdir: Path, etcd: str, config: Path, run_id: str, *, disturb: bool, recovery: str) -> Cluster:
     return Cluster(
         etcd,
         workdir,
@@ -53,25 +53,26 @@ def _cluster(workdir: Path, etcd: str, config: Path, run_id: str, *, disturb: bo
             str(workdir / "ids.jsonl"),
         ),
         # every checkpoint kept: the test reads which world size wrote the ones the restarts loaded
-        extra=("--accelerate-config", str(config), "--keep-checkpoints", "20"),
+        extra=("--accelerate-config", str(config), "--keep-checkpoints", "20", "--recovery", recovery),
         env={"HF_HOME": str(workdir / "hf")},  # accelerate's default file is the test's (absent), never the host's
     )
 
 
 def _run(
-    etcd: str, workdir: Path, config: Path, *, disturb: bool, precision: str = "no"
+    etcd: str, workdir: Path, config: Path, *, disturb: bool, precision: str = "no", recovery: str = "hot"
 ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     workdir.mkdir()
     names = ["sh-a", "sh-b", "sh-c", "sh-d"]
-    with _cluster(workdir, etcd, config, "disturbed" if disturb else "undisturbed", disturb=disturb) as c:
+    run_id = "disturbed" if disturb else "undisturbed"
+    with _cluster(workdir, etcd, config, run_id, disturb=disturb, recovery=recovery) as c:
         for name in names:
             c.start(name)
         c.wait_step(lambda s: s["world_size"] == 4 and s["step"] >= 12, timeout_s=150, what="4 workers, step 12")
-        alive = list(names)
+        alive, lost = list(names), ""
         if disturb:
             ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
             lost = next(n for n, r in ranks.items() if r == 1)
-            c.nodes[lost].kill()  # 4 -> 3: the others restart from the newest commit, resharded
+            c.nodes[lost].kill()  # 4 -> 3: in place from the mirrors (hot), or from the newest commit (cold)
             alive.remove(lost)
             at3 = c.wait_step(lambda s: s["world_size"] == 3, timeout_s=120, what="3 workers after the kill")
             c.start("sh-joiner")  # 3 -> 4
@@ -81,11 +82,15 @@ def _run(
             assert c.nodes[name].wait(300) == 0, c.diagnostics()
         wait_until(lambda: not leftover_processes(list(c.nodes)), 15, "worker processes to exit")
         steps = c.all_steps()
-        _check_the_run(c, steps, workdir / "ids.jsonl", disturb=disturb, precision=precision)
+        _check_the_run(
+            c, steps, workdir / "ids.jsonl", disturb=disturb, precision=precision, recovery=recovery, lost=lost
+        )
     return torch.load(workdir / "final.pt"), steps
 
 
-def _check_the_run(c: Cluster, steps: list[dict], record: Path, *, disturb: bool, precision: str) -> None:
+def _check_the_run(
+    c: Cluster, steps: list[dict], record: Path, *, disturb: bool, precision: str, recovery: str, lost: str
+) -> None:
     for s in steps:
         assert s["lr"] == pytest.approx(expected_lr(s["step"]), rel=1e-9)
     ids = effective_ids(record)
@@ -97,14 +102,26 @@ def _check_the_run(c: Cluster, steps: list[dict], record: Path, *, disturb: bool
     events = [e for n in c.nodes.values() for e in n.events()]
     sharded = [e for e in events if e["event"] == "fsdp_on_cpu"]
     assert sharded and {e["mixed_precision"] for e in sharded} == {precision}, "the job did not shard as configured"
-    unsupported = [e for e in events if e["event"] == "hot_recovery_unsupported"]
-    assert unsupported and all("FSDP" in e["reason"] for e in unsupported)
+    assert not [e for e in events if e["event"] == "hot_recovery_unsupported"]
     if disturb:
         assert {s["world_size"] for s in steps} == {3, 4}
+    if disturb and recovery == "hot":
+        _check_in_place(events, lost)
+    elif disturb:
         resumed = [e for e in events if e["event"] == "resumed"]
         # the restart at 3 loaded a checkpoint that 4 ranks wrote, and the one at 4 one that 3 wrote
         written_by = {_manifest(Path(e["path"]))["world_size"] for e in resumed}
         assert written_by == {3, 4}, resumed
+
+
+def _check_in_place(events: list[dict], lost: str) -> None:
+    """The loss and the join took the sharded hot path: no worker of a surviving node restarted, nothing was loaded
+    from disk after the start, the lost node's shards came from its peer's mirror with no step redone (K = 1)."""
+    assert not [e for e in events if e["event"] in ("hot_fallback", "worker_failed") and e.get("node_id") != lost]
+    assert not [e for e in events if e["event"] == "resumed"], "a worker loaded a checkpoint"
+    reconfigured = [e for e in events if e["event"] == "reconfigured" and "lost_nodes" in e and e["rank"] == 0]
+    assert [(e["reason"], e["world_size"]) for e in reconfigured] == [("failure", 3), ("join", 4)], reconfigured
+    assert all(e["lost_steps"] == 0 for e in reconfigured), reconfigured
 
 
 def _manifest(path: Path) -> dict:
@@ -128,16 +145,17 @@ def test_fsdp2_loses_a_node_and_gains_one_and_ends_with_an_undisturbed_run_s_wei
     worst = max(
         ((disturbed[k] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item() for k, ref in reference.items()
     )
-    print(f"FSDP2 fp32, kill and join (cold, resharded) against undisturbed: largest relative difference {worst:.3e}")
+    print(f"FSDP2 fp32, kill and join in place against undisturbed: largest relative difference {worst:.3e}")
     assert worst <= REL_TOL
 
 
 def test_fsdp2_in_bf16_loses_a_node_and_gains_one_and_ends_at_an_undisturbed_run_s_loss(
     etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
+    # cold (--recovery cold): the restarts reshard a checkpoint written at another size
     config = _config(tmp_path, "bf16")
     _, reference = _run(etcd.endpoint, tmp_path / "undisturbed", config, disturb=False, precision="bf16")
-    _, disturbed = _run(etcd.endpoint, tmp_path / "disturbed", config, disturb=True, precision="bf16")
+    _, disturbed = _run(etcd.endpoint, tmp_path / "disturbed", config, disturb=True, precision="bf16", recovery="cold")
     ref, dis = _last_epoch_loss(reference), _last_epoch_loss(disturbed)
     print(f"FSDP2 bf16, kill and join against undisturbed: last epoch's mean loss {dis:.6f} against {ref:.6f}")
     assert dis == pytest.approx(ref, rel=LOSS_TOL)
@@ -192,3 +210,38 @@ def test_a_torn_shard_in_the_newest_checkpoint_falls_back_to_the_one_before_resh
     assert {e["step"] for e in events if e.get("event") == "resumed"} == {10}
     done = [json.loads(line) for line in second.stdout.splitlines() if '"done"' in line]
     assert [e["step"] for e in done] == [30]
+
+
+def test_two_adjacent_nodes_lost_at_once_reload_the_checkpoint_in_place(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+    # Ring order by rank, 0 -> 1 -> 2 -> 3 -> 0: rank 1's shards are mirrored on rank 2. With both killed together no
+    # member holds rank 1's: the survivors re-form at 2 in the same processes and load the newest committed
+    # checkpoint (step 10, DCP resharded from 4 ranks to 2), redo the steps since, and finish; every sample once.
+    config = _config(tmp_path, "no")
+    names = ["ad-a", "ad-b", "ad-c", "ad-d"]
+    with _cluster(tmp_path, etcd.endpoint, config, "adjacent", disturb=True, recovery="hot") as c:
+        for name in names:
+            c.start(name)
+        c.wait_step(lambda s: s["world_size"] == 4 and s["step"] >= 14, timeout_s=150, what="4 workers, step 14")
+        ranks = {n: c.nodes[n].events("rendezvous_done")[-1]["group_rank"] for n in names}
+        lost = sorted(names, key=lambda n: ranks[n])[1:3]
+        survivors = [n for n in names if n not in lost]
+        pids = {n: c.nodes[n].worker_pids() for n in survivors}
+        for name in lost:
+            c.nodes[name].kill()
+        c.wait_step(lambda s: s["world_size"] == 2, timeout_s=120, what="2 workers after the kills")
+        assert {n: c.nodes[n].worker_pids() for n in survivors} == pids, "a survivor's workers were restarted"
+        for name in survivors:
+            assert c.nodes[name].wait(300) == 0, c.diagnostics()
+        events = [e for n in survivors for e in c.nodes[n].events()]
+        assert not [e for e in events if e["event"] in ("hot_fallback", "worker_failed")], c.diagnostics()
+        reloaded = [e for e in events if e["event"] == "reloaded_in_place"]
+        assert {e["step"] for e in reloaded} == {10} and len(reloaded) == 2, reloaded
+        reconfigured = [e for e in events if e["event"] == "reconfigured" and "lost_nodes" in e and e["rank"] == 0]
+        assert [(e["world_size"], sorted(e["lost_nodes"])) for e in reconfigured] == [(2, sorted(lost))]
+        assert reconfigured[0]["lost_steps"] >= 4  # steps 11-14 at least, redone from the checkpoint
+        assert {s["world_size"] for s in c.all_steps()} == {4, 2}
+        ids = effective_ids(tmp_path / "ids.jsonl")
+        assert sorted(ids) == list(range(1, STEPS + 1))
+        for epoch in range(STEPS // STEPS_PER_EPOCH):
+            seen = [i for s in range(epoch * STEPS_PER_EPOCH + 1, (epoch + 1) * STEPS_PER_EPOCH + 1) for i in ids[s]]
+            assert sorted(seen) == list(range(DATASET)), f"epoch {epoch}: samples skipped or repeated"

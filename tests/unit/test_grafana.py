@@ -89,10 +89,14 @@ EXTRA: dict[str, tuple[str, dict[str, tuple[str, ...] | None]]] = {
                 "decision_timeout",
                 "etcd",
                 "unsupported",
+                "no_mirror",
                 "other",
             )
         },
     ),
+    # sharded jobs in place (issue 26)
+    "elasticd_shard_mirror_seconds": ("histogram", {"phase": ("blocking", "total")}),
+    "elasticd_shard_mirror_bytes_total": ("counter", {}),
 }
 _METRIC_NAME = re.compile(r"\belasticd_[a-z0-9_]+")
 _HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")

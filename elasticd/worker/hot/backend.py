@@ -137,6 +137,7 @@ class Groups(abc.ABC):
 
     def __init__(self, timeout: timedelta) -> None:
         self.timeout = timeout
+        self.store: dist.Store | None = None  # the current default group's (see replace)
 
     def can_shrink(self, group: dist.ProcessGroup) -> bool:
         """Whether this member can take part in shrinking ``group`` (announced to the membership decision)."""
@@ -152,6 +153,10 @@ class Groups(abc.ABC):
         old = dist.group.WORLD if dist.is_initialized() else None
         if old is not None:
             self.retire(old)
+        # The default group's store must outlive the call: torch keeps only the C++ side of a store written in Python
+        # (elasticd's etcd store), and every later new_group (the shard mirrors', a sharded save's) calls into its
+        # Python side ("INTERNAL ASSERT FAILED ... Not implemented" once it is collected).
+        self.store = store
         try:
             self.form(store, rank, world_size)
         except Exception as exc:

@@ -98,6 +98,7 @@ class ShardMirror:
         self._thread: threading.Thread | None = None
         self._spare: torch.Tensor | None = None  # the receive buffer of the next generation
         self.failed: str | None = None  # the exchange broke (a peer lost): no further generations in this epoch
+        self._frozen = False  # a heal reads what is held: a generation that ends later is not kept
 
     def offer(
         self,
@@ -163,8 +164,14 @@ class ShardMirror:
         for work in works:
             work.wait()  # type: ignore[union-attr]  # isend/irecv: never None
 
+    def freeze(self) -> None:
+        """Keep what is held as it is from now on (a heal reads it; the ring is retired after)."""
+        self._frozen = True
+
     def _keep(self, header: tuple[Any, ...], data: torch.Tensor) -> None:
         step, epoch, owner, offsets, meta = header
+        if self._frozen:
+            return
         announced = sum(n for _, n, _, _ in offsets.values())
         if epoch != self.epoch:
             self.stats.refused.append(f"step {step} from epoch {epoch}, this rank trains in {self.epoch}")

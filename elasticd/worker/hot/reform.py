@@ -51,7 +51,7 @@ from elasticd.worker.hot.errors import ReformError, SurfaceChanged, UnsupportedS
 # torch's 30-minute gloo default, and far above any healthy collective.
 DEFAULT_GROUP_TIMEOUT = timedelta(minutes=10)
 
-__all__ = ["AbandonedGroups", "Formation", "Reformer", "expect_world", "start_private_world"]
+__all__ = ["AbandonedGroups", "Formation", "Reformer", "expect_world", "start_private_world", "update_accelerate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,13 +148,18 @@ class Reformer:
         self.model._has_rebuilt_buckets = bool(rebuilt)  # what DDP's own forward would have recorded
 
     def _update_accelerate(self, rank: int, world_size: int, plan: BatchPlan | None) -> None:
-        for shared in (PartialState._shared_state, AcceleratorState._shared_state):
-            shared["num_processes"] = world_size
-            shared["process_index"] = rank
-        if plan is not None:
-            self.accelerator.gradient_accumulation_steps = plan.accumulation
-        # accelerate counts micro-batches to know when to sync; a step restarts the count at any world size
-        self.accelerator.step = 0
+        update_accelerate(self.accelerator, rank, world_size, plan)
+
+
+def update_accelerate(accelerator: Any, rank: int, world_size: int, plan: BatchPlan | None) -> None:
+    """Tell accelerate the new rank and world size (both shared-state dicts) and the new plan's accumulation."""
+    for shared in (PartialState._shared_state, AcceleratorState._shared_state):
+        shared["num_processes"] = world_size
+        shared["process_index"] = rank
+    if plan is not None:
+        accelerator.gradient_accumulation_steps = plan.accumulation
+    # accelerate counts micro-batches to know when to sync; a step restarts the count at any world size
+    accelerator.step = 0
 
 
 def start_private_world(

@@ -148,6 +148,8 @@ def remesh(
                     setattr(module, name, plain)
                 olds.append((old, fqn))
                 news.append(plain)
+                # its load post-hook would re-pad a loaded shard to the old world's size (a reload in place)
+                fsdp_param._post_load_hook_handle.remove()
             for handle in (
                 *group._module_to_pre_save_state_dict_hook_handle.values(),
                 *group._module_to_pre_load_state_dict_hook_handle.values(),

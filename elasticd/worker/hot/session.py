@@ -60,6 +60,8 @@ from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
 from elasticd.worker.hot.reform import Reformer
 from elasticd.worker.hot.registered import Rollback, registered_objects
+from elasticd.worker.hot.shard_comms import ResilientShardComms
+from elasticd.worker.hot.shard_heal import NoMirror, ShardedReformer, ShardHealFailed, Sharding, ShardKeeper
 from elasticd.worker.hot.silence import SilenceWatch
 from elasticd.worker.hot.step_guard import FailedStepGuard
 from elasticd.worker.hot.trim import return_free_memory
@@ -130,6 +132,11 @@ class Identity:
         return member_name(self.name or self.group, self.first_rank)
 
 
+def mirror_label(group: str, epoch: int) -> str:
+    """Names an epoch's shard mirrors: a mirror is of the epoch it was taken in, or stale."""
+    return f"{group}#{epoch}"
+
+
 def member_name(group: str, rank: int) -> str:
     return f"{group}.{rank}"
 
@@ -150,7 +157,11 @@ class HotSession:
         fence: str,
         faults: FaultInjector | None = None,
         clock: Callable[[], float] = time.monotonic,
+        sharded: Sharding | None = None,
+        reload: Callable[[], TrainingState | None] = lambda: None,
     ) -> None:
+        """``sharded``: an FSDP2 job's mirror settings (``shard_heal.py``), None for a replicated (DDP) one;
+        ``reload()``: the newest committed checkpoint loaded in place, for a sharded job with no state in memory."""
         self.accelerator = accelerator
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.client = client
@@ -164,12 +175,11 @@ class HotSession:
         self.verdicts = Verdicts(client, keys, self.group)
         # a lease that lapsed while its node's daemon still greets is no failure at once (watch.py)
         self.watch = FailureWatch(client, keys, self.group, daemon_answers=self.verdicts.daemon_answers)
-        self.hook = ResilientAllReduce(self.holder, self.health, notice=self.watch.reason)
+        self.hook, self.reformer, self.keeper = _comms(self, sharded, reload)
         self.watch.on_reason(self.hook.nudge)
         # a discarded step leaves the objects registered for checkpointing as they were (registered.py)
         self.guard = FailedStepGuard(self.health, Rollback(lambda: registered_objects(accelerator)))
         self.cutoff = BackwardCutoff(self.health, self.watch.reason, self.hook.abort)  # a failed step's backward
-        self.reformer = Reformer(accelerator, model, self.holder)
         self.listener: ProbeListener | None = None
         self.epoch = 0
         self.members: tuple[str, ...] = ()
@@ -192,7 +202,8 @@ class HotSession:
         ``joining``: this worker joins a group that trains already (:meth:`join` comes next)."""
         self.hook.register(self.model)
         self.guard.install(self.optimizer)
-        self.cutoff.install(self.accelerator, self.model)
+        if self.keeper is None:  # FSDP sets sharded gradients itself: no accumulate-grad hook ever fires
+            self.cutoff.install(self.accelerator, self.model)
         self.listener = ProbeListener(listen_address(advertise))  # where peers dial it, not every interface
         record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
         self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))
@@ -207,11 +218,22 @@ class HotSession:
         self.epoch = int(current[0] or 0)
         world = int(self.accelerator.num_processes)
         self.members = tuple(member_name(self.group, rank) for rank in range(world))
-        nodes = self._nodes_of(self.members)
+        nodes = self.verdicts.nodes_of(self.members)
         if self.rank == 0:
             self._publish_group(nodes)
         self.watch.follow(self.epoch, nodes)
         self._follow_silence(nodes)
+        if self.keeper is not None:
+            self.keeper.start_epoch(mirror_label(self.group, self.epoch))
+
+    def after_step(self, state: TrainingState) -> None:
+        """At every completed optimizer step (a sharded job mirrors its shards here)."""
+        if self.keeper is not None:
+            self.keeper.after_step(state)
+
+    def mirror_report(self) -> dict[str, Any] | None:
+        """A sharded job's mirror figures since the last report, at most a few a second (None: nothing to say)."""
+        return None if self.keeper is None else self.keeper.report()
 
     def _publish_group(self, nodes: set[str]) -> None:
         """Tell nodes that start now that this group trains in place (they join it instead of a rendezvous)."""
@@ -252,7 +274,7 @@ class HotSession:
         try:
             return self._recover(failure, state, plan_for, reason)
         except Exception as exc:
-            raise self._fallback(exc) from None
+            raise fallback_for(exc) from None
 
     def admit(self, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], detected_at: float) -> Recovered:
         """At the step boundary the group agreed on: move to the next epoch with the joiners (every member calls it).
@@ -260,6 +282,8 @@ class HotSession:
         ``detected_at``: when this member saw the group agree (the stall is measured from it)."""
         leavers = self.watch.leaving()
         leaving = self.identity.node_id in leavers
+        if self.keeper is not None:
+            self.keeper.settle()  # a leaver's shards at this boundary are in its peer's memory before it goes
         try:
             self.membership.bid(self.epoch + 1, Bid(self.identity.member, self.rank, state.step, leaving))
             decision = self._decide(self.epoch + 1, "leave" if leavers else "join", plan_for)
@@ -269,7 +293,7 @@ class HotSession:
         except LeftGroup:
             raise
         except Exception as exc:
-            raise self._fallback(exc) from None
+            raise fallback_for(exc) from None
 
     def join(
         self, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], still_wanted: Callable[[], bool]
@@ -281,7 +305,7 @@ class HotSession:
         try:
             return self._join(state, plan_for, still_wanted)
         except Exception as exc:
-            raise self._fallback(exc) from None
+            raise fallback_for(exc) from None
 
     def _join(
         self, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], still_wanted: Callable[[], bool]
@@ -308,21 +332,6 @@ class HotSession:
                 self.epoch = decision.number - 1  # the epoch this node's workers join from
                 return self._move(decision, state, plan_for, asked_at)
 
-    def _fallback(self, exc: Exception) -> HotFallback:
-        if isinstance(exc, HotFallback):
-            return exc
-        if isinstance(exc, BelowMinimum):
-            return HotFallback("below_minimum", str(exc))
-        if isinstance(exc, BatchPlanError):
-            return HotFallback("batch_plan", str(exc))
-        if isinstance(exc, HealError):
-            return HotFallback("heal_failed", str(exc))
-        if isinstance(exc, HotRecoveryError):
-            return HotFallback("reform_failed", str(exc))
-        if isinstance(exc, EtcdError):
-            return HotFallback("etcd", str(exc))
-        raise exc
-
     def _recover(
         self, failure: StepFailure, state: TrainingState, plan_for: Callable[[int], BatchPlan | None], reason: str
     ) -> Recovered:
@@ -348,8 +357,8 @@ class HotSession:
                     raise
                 decision = self._after_failed_heal(exc, state, decision.reason, plan_for)
                 continue
-            lost_nodes = tuple(sorted(self._nodes_of(before) - self._nodes_of(decision.members)))
-            nodes = self._nodes_of(decision.members)
+            lost_nodes = tuple(sorted(self.verdicts.nodes_of(before) - self.verdicts.nodes_of(decision.members)))
+            nodes = self.verdicts.nodes_of(decision.members)
             if self.rank == 0:
                 for epoch in range(left, self.epoch):  # the bids of every epoch before the one in force
                     self.membership.forget(epoch)
@@ -382,16 +391,21 @@ class HotSession:
         if decision.step == UNHEALED_STEP:
             raise HotFallback("heal_failed", f"no member of epoch {target} holds the state to heal from")
         world = len(decision.members)
+        old_rank, old_world = (self.rank if me in self.members else None), len(self.members)
         plan = plan_for(world)  # the same on every member: all fall back together if the world does not fit
         store = EtcdV3Store(self.client, self.keys.hot_group_store(self.identity.round, target), FORM_TIMEOUT)
         self.reformer.reform(store, rank, world, plan)
         # the new epoch is this member's from here: a heal that fails is the new epoch's failure, and its notice
         # releases the members that wait on a live peer in the heal
         self.epoch, self.members, self.fence, self.rank = target, decision.members, decision.token, rank
-        nodes = self._nodes_of(decision.members)
+        nodes = self.verdicts.nodes_of(decision.members)
         self.watch.follow(target, nodes)
         self._follow_silence(nodes)
         self._heals += 1
+        if self.keeper is not None:
+            labels = mirror_label(self.group, target - 1), mirror_label(self.group, target)
+            healed_shards, received = self.keeper.heal(state, old_rank, old_world, *labels)
+            return healed_shards, received, plan
         faults, heals = self._faults, self._heals
         healed, report = heal(
             0,
@@ -445,7 +459,7 @@ class HotSession:
         """The silence watch's verdict: fail this epoch's step everywhere (its notice), from the watch's thread. Not
         for a node that asked to leave: its daemon ends once its workers left, which is no failure."""
         with contextlib.suppress(EtcdError):  # etcd out of reach: the node's lease expiry is the verdict then
-            if node in self.watch.leaving() or node not in self._nodes_of(self.members):
+            if node in self.watch.leaving() or node not in self.verdicts.nodes_of(self.members):
                 return  # a leaver, or a node of an epoch that is over (the watch moved on meanwhile)
             self.client.create(self.keys.membership_notice(self.group, self.epoch), f"{self.identity.member}: {text}")
 
@@ -454,9 +468,6 @@ class HotSession:
 
     def _is_out(self, member: str) -> bool:
         return self.verdicts.is_out(member, self.epoch)
-
-    def _nodes_of(self, members: tuple[str, ...]) -> set[str]:
-        return self.verdicts.nodes_of(members)
 
     def settle(self) -> tuple[int, int]:
         """Once the group trains at its new size: release the old groups in which nothing given up on is pending
@@ -468,6 +479,8 @@ class HotSession:
         return released, 0 if abandoned is None else len(abandoned)
 
     def close(self) -> None:
+        if self.keeper is not None:
+            self.keeper.close()
         self.watch.close()
         self.silence.close()
         self.hook.close()
@@ -476,6 +489,38 @@ class HotSession:
             abandoned.leak()  # never destroyed: the exit guard ends this process (hot_path.py)
         if self.listener is not None:
             self.listener.close()
+
+
+def _comms(
+    session: HotSession, sharded: Sharding | None, reload: Callable[[], TrainingState | None]
+) -> tuple[ResilientAllReduce | ResilientShardComms, Reformer | ShardedReformer, ShardKeeper | None]:
+    """A session's collectives guard, re-former and (sharded) shard keeper: a replicated (DDP) model's gradient
+    all-reduce is elasticd's own hook; a sharded model's collectives are FSDP's, its state comes back from mirrors."""
+    if sharded is None:
+        hook = ResilientAllReduce(session.holder, session.health, notice=session.watch.reason)
+        return hook, Reformer(session.accelerator, session.model, session.holder), None
+    comms = ResilientShardComms(session.health, notice=session.watch.reason)
+    parts = (session.accelerator, session.model, session.optimizer, session.scheduler)
+    return comms, ShardedReformer(session.accelerator), ShardKeeper(*parts, comms, sharded, session.step_failed, reload)
+
+
+def fallback_for(exc: Exception) -> HotFallback:
+    """The cold restart an error of the hot path leads to, with its reason (``elasticd_hot_fallbacks_total``); an
+    error that is none of the hot path's own is raised again."""
+    if isinstance(exc, HotFallback):
+        return exc
+    reasons: tuple[tuple[type[Exception] | tuple[type[Exception], ...], str], ...] = (
+        (BelowMinimum, "below_minimum"),
+        (BatchPlanError, "batch_plan"),
+        ((HealError, ShardHealFailed), "heal_failed"),
+        (NoMirror, "no_mirror"),
+        (HotRecoveryError, "reform_failed"),
+        (EtcdError, "etcd"),
+    )
+    for kinds, reason in reasons:
+        if isinstance(exc, kinds):
+            return HotFallback(reason, str(exc))
+    raise exc
 
 
 def _fits(plan_for: Callable[[int], BatchPlan | None]) -> Callable[[int], bool]:

@@ -183,6 +183,10 @@ def _at_3(directory: Path, model: nn.Module, opt: Any, first: int) -> dict[str, 
     rank = dist.get_rank()
     for s in range(first, first + 2):
         train(model, opt, s, rank, 3)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(directory / "dcp-3"))
     return {"at_3": max_diff(full_params(model), reference(directory, 3, rank, "full-2.pt", range(first, first + 2)))}
 
 
