@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from elasticd.worker.hot.backend import keep_forever
 from elasticd.worker.hot.errors import UnsupportedSetup
-from elasticd.worker.hot.failure import StepHealth
+from elasticd.worker.hot.failure import StepHealth, ask_notice
 from elasticd.worker.hot.given_up import GIVEN_UP, ended
 
 # A backstop, not the detector: a dead peer makes gloo fail within milliseconds (connection reset), and a vanished
@@ -375,12 +375,7 @@ class ResilientAllReduce:
                 self._fail(generation, f"failure notice: {noticed}", None)
 
     def _ask_notice(self) -> str | None:
-        if self.notice is None:
-            return None
-        try:
-            return self.notice()
-        except Exception:
-            return None  # an unreachable notice board must not end the watch: the deadline still bounds the wait
+        return ask_notice(self.notice)
 
 
 def resilient_allreduce_hook(state: ResilientAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

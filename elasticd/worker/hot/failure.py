@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -73,3 +74,14 @@ class StepHealth:
             if failure is not None:
                 self._generation += 1
             return failure
+
+
+def ask_notice(notice: Callable[[], str | None] | None) -> str | None:
+    """The failure notice's text, if any; None also when the notice board cannot be read: an unreachable board must
+    not fail a step or end a watch (the collectives' deadline still bounds every wait)."""
+    if notice is None:
+        return None
+    try:
+        return notice()
+    except Exception:
+        return None

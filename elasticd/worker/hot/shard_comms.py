@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd.worker.hot.errors import UnsupportedSetup
-from elasticd.worker.hot.failure import StepHealth
+from elasticd.worker.hot.failure import StepHealth, ask_notice
 from elasticd.worker.hot.given_up import GIVEN_UP
 
 # A backstop, as the DDP hook's (comm_hook.py): a dead peer fails gloo within milliseconds, a vanished or hung one
@@ -136,12 +136,7 @@ class ResilientShardComms:
         return None
 
     def _ask_notice(self) -> str | None:
-        if self.notice is None:
-            return None
-        try:
-            return self.notice()
-        except Exception:
-            return None  # an unreachable notice board must not fail a step: the deadline still bounds the wait
+        return ask_notice(self.notice)
 
 
 class _Waiter:
