@@ -117,12 +117,17 @@ class ResilientShardComms:
         """An event set when ``work`` ends: its future's callback, or (a gloo reduce-scatter has no future) the
         waiter thread's ``wait()``."""
         done = threading.Event()
+
+        def finish() -> None:
+            done.set()
+            self._wake.set()  # the waiting loop returns now, not at its next look at the notice
+
         try:
-            work.get_future().add_done_callback(lambda _f: done.set())
+            work.get_future().add_done_callback(lambda _f: finish())
         except RuntimeError:  # "Work::getFuture not implemented"
             if self._waiter is None or not self._waiter.idle():
                 self._waiter = _Waiter()  # the previous one waits on a collective given up on: leave it there
-            self._waiter.submit(work, done)
+            self._waiter.submit(work, finish)
         return done
 
     def _why_give_up(self, deadline: float, what: str) -> str | None:
@@ -145,24 +150,24 @@ class _Waiter:
     until a wait never returns (a collective given up on); then the caller starts another."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[[], None]]] = queue.SimpleQueue()
         self._busy = threading.Event()
         threading.Thread(target=self._run, name="elasticd-shard-comm-wait", daemon=True).start()
 
     def idle(self) -> bool:
         return not self._busy.is_set()
 
-    def submit(self, work: Any, done: threading.Event) -> None:
+    def submit(self, work: Any, ended: Callable[[], None]) -> None:
         self._busy.set()
-        self._queue.put((work, done))
+        self._queue.put((work, ended))
 
     def _run(self) -> None:
         while True:
-            work, done = self._queue.get()
+            work, ended = self._queue.get()
             with contextlib.suppress(Exception):  # the caller's own wait() raises it
                 work.wait()
             self._busy.clear()
-            done.set()
+            ended()
 
 
 class _Comm:
