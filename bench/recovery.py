@@ -22,11 +22,11 @@ checkpoint dir per trial and system):
 - ``node_vanish`` (elasticd only): the same node as ``node_loss``, SIGSTOPped instead (its launcher and worker at one
   moment): nothing resets a connection, detection rests on liveness leases. From the stop to the first step at
   ``world_size == 2``; the stopped node is then killed.
-- ``join_large``, ``node_loss_large`` (elasticd hot; ``node_loss_large`` also torchrun tuned when asked for by name,
-  ``--scenarios node_loss_large``: each of its restarts loads 1.2 GB): ``join`` and ``node_loss``
-  again on a job with a realistic state (``LARGE``: examples/train.py's MLP at 7 layers of 4096 units, ~100M
-  parameters, AdamW: ~1.2 GB of weights and moments, which every change in place broadcasts from rank 0), on a job
-  of their own, so recovery time is seen against state size.
+- ``join_large``, ``node_loss_large`` (elasticd hot; ``node_loss_large`` also torchrun tuned, and both elasticd-cold,
+  when asked for by name, ``--scenarios node_loss_large``: each of their restarts loads 1.2 GB): ``join`` and
+  ``node_loss`` again on a job with a realistic state (``LARGE``: examples/train.py's MLP at 7 layers of 4096
+  units, ~100M parameters, AdamW: ~1.2 GB of weights and moments, which every change in place broadcasts from rank
+  0), on a job of their own, so recovery time is seen against state size.
 - ``hang`` (elasticd only): the worker of the same node is SIGSTOPped, its daemon left running: its peers wait in
   their all-reduce, the daemons' hang watchdog (``--hang-timeout auto``, learned from the ~0.06 s steps: its 0.5 s
   floor) convicts it. From the stop to the first step of a group without the hung worker: at ``world_size == 2``
@@ -66,9 +66,19 @@ heartbeat and election timeout (100 ms, 1 s; etcd's shortest lease is then 2 s) 
 (25 ms, 250 ms): what a production etcd gives the liveness design; its results file is tagged ``-etcddefaults``.
 
 ``--sharded`` runs ``join`` and ``node_loss`` on a job whose model is sharded by accelerate's FSDP2 path (``SHARDED``
-in ``bench/workloads.py``: ~3.2M parameters, DCP checkpoints, the same FSDP variables in every system's workers),
-for elasticd (whose hot path declines a sharded model: every change restarts from the newest commit, resharded),
-torchrun and torchrun-tuned; its results file is tagged ``-sharded``.
+in ``bench/workloads.py``: ~3.2M parameters, DCP checkpoints, the same FSDP variables in every system's workers), and
+``join_large`` and ``node_loss_large`` when asked for on the same at ~100M parameters (``SHARDED_LARGE``: LARGE's
+model and batch). elasticd recovers it in place from the shard mirrors its workers keep in peers' memory (every
+``--shard-mirror-every`` K steps, its default 1: a loss redoes at most K - 1 steps, no survivor restarts);
+``elasticd-cold`` is the same job's cold restart from the newest commit, resharded, and runs the large scenarios too
+when asked for by name. The rows are judged on issue 26's targets (``bench/recovery_sharded.py``: node loss, the
+first step at world 2 <= 2 s, steps redone <= K - 1, no survivor restarted, >= 5x the cold restart; a join's pause in
+total <= 2 s); a loss also records rank 0's steps redone and whether a survivor's workers were replaced. Issue 26's
+acceptance, in one run (~30-40 min)::
+
+    python bench/recovery.py --sharded --only elasticd elasticd-cold --scenarios join_large node_loss_large --trials 3
+
+Its results file is tagged ``-sharded``.
 
 The raw results (commit, machine, versions, every sample, the summary) go to ``bench/results/recovery-<short
 commit>[-netns].json`` unless ``--json`` says otherwise (``-dirty`` is appended when ``elasticd/`` or ``examples/``
@@ -126,7 +136,10 @@ from bench.common import (
     write_results,
 )
 from bench.hosts import NETNS_NETWORK, Loopback, Namespaces, Placement
-from bench.workloads import LARGE, SCRIPT_NAME, SHARDED, SMALL, Workload
+from bench.recovery_sharded import SHARD_MIRROR_EVERY, in_place_report, restarted
+from bench.recovery_sharded import notes as in_place_notes
+from bench.recovery_sharded import verdict as sharded_verdict
+from bench.workloads import LARGE, SCRIPT_NAME, SHARDED, SHARDED_LARGE, SMALL, Workload
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.options import MAX_RESTARTS as MAX_RESTARTS_OPTION
 from elasticd.rendezvous.handler import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, LAST_CALL_TIMEOUT_S
@@ -222,8 +235,13 @@ SCENARIOS = {
     "torchrun": (Scenario.JOIN, Scenario.NODE_LOSS),
     "torchrun-tuned": (Scenario.JOIN, Scenario.NODE_LOSS),
 }
-# Run only when asked for by name (--scenarios): issue 24's comparison at ~100M parameters, minutes a trial.
-ON_REQUEST = {"torchrun-tuned": (Scenario.NODE_LOSS_LARGE,)}
+# Run only when asked for by name (--scenarios): issue 24's comparison at ~100M parameters, minutes a trial; and
+# --sharded, issue 26's: elasticd in place against its own cold restart of the ~100M-parameter sharded job (a cold
+# join there restarts every worker and reloads the state).
+ON_REQUEST = {
+    "torchrun-tuned": (Scenario.NODE_LOSS_LARGE,),
+    "elasticd-cold": (Scenario.JOIN_LARGE, Scenario.NODE_LOSS_LARGE),
+}
 # --netns: node loss by kill -9 and by full isolation, for every system (the isolation needs hosts of their own), and
 # for elasticd node loss with its etcd's leader (its etcd members need hosts of their own too).
 NETNS_SCENARIOS = (Scenario.NODE_LOSS, Scenario.NODE_ISOLATED, Scenario.NODE_LOSS_ETCD_LEADER)
@@ -270,6 +288,11 @@ class Sample:
     # from it to the first step at the new size. The machine has 2 cores: others' work slows every start down.
     foreign_cores_before: float = 0.0
     foreign_cores_during: float = 0.0
+    # A loss, elasticd hot: rank 0's ``reconfigured`` event's steps redone and the step training went on from.
+    lost_steps: int | None = None
+    resumed_step: int | None = None
+    # A loss: whether a surviving node's worker pids at the first step at the new size differ from before the fault.
+    survivor_workers_restarted: bool | None = None
 
     @property
     def contended(self) -> bool:
@@ -668,9 +691,11 @@ def measure(
     victim: Node | None,
     quiet: Quiet,
     before: dict[str, Any] | None = None,
+    survivors: dict[str, set[int]] | None = None,
 ) -> Sample:
     """The sample of a fault or join that happened at ``t0`` (unix s), after ``quiet`` was measured; with
-    ``before`` (the last step line before the fault), the first step from another group than that line's."""
+    ``before`` (the last step line before the fault), the first step from another group than that line's; with
+    ``survivors`` (the surviving nodes' worker pids before the fault), whether any of them was replaced."""
     if before is None:
         accept = _at_size(size_after)
         step = first_step_at(job, size_after, t0)
@@ -697,11 +722,31 @@ def measure(
     t1 = float(step["t"])
     sample.seconds = round(t1 - t0, 3)
     sample.milestones, sample.daemon = milestones(job, size_after, t0, t1)
+    if survivors is not None:
+        sample.survivor_workers_restarted = restarted(
+            survivors, {name: set(worker_pids(job.launcher.nodes[name])) for name in survivors}
+        )
     if scenario.base is Scenario.JOIN:
         sample.milestones.update(join_figures(job, t0, t1))
     else:
         sample.milestones.update(beyond_step(job, t0, t1, accept))
+        if job.system == "elasticd":
+            _record_in_place(job, sample, t0)
     return sample
+
+
+def _record_in_place(job: Job, sample: Sample, t0: float) -> None:
+    """The steps the survivors redid and the step they went on from: rank 0's ``reconfigured`` after ``t0``,
+    logged once the first step at the new size ended (its beat reached the daemon); unset without one."""
+
+    def report() -> dict[str, Any] | None:
+        job.launcher.refresh()
+        events = [e for n in job.launcher.nodes.values() for e in n.events("reconfigured")]
+        return in_place_report(events, t0, _stamp) or None
+
+    with contextlib.suppress(BenchTimeout):
+        found = wait_until(report, _REPORT_WAIT_S * job.workload.timeout_scale, "the loss's report")
+        sample.lost_steps, sample.resumed_step = found["lost_steps"], found["resumed_step"]
 
 
 def _at_size(size: int) -> Callable[[dict[str, Any]], bool]:
@@ -829,10 +874,11 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
         name = max((n for n in ranks if job.killable(n)), key=lambda n: ranks[n])
     victim = job.launcher.nodes[name]
     quiet = quiet_moment()
+    survivors = {n.name: set(worker_pids(n)) for n in job.launcher.live() if n is not victim}
     if scenario is Scenario.NODE_VANISH:
         t0 = victim.stop()
         try:
-            return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
+            return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet, survivors=survivors)
         finally:
             victim.kill()
     if scenario is Scenario.HANG:
@@ -846,7 +892,7 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
                 os.kill(pid, signal.SIGSTOP)
         before = steps_at(job, MAX_NODES, 0.0)[-1]
         try:
-            return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet, before=before)
+            return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet, before=before, survivors=survivors)
         finally:
             victim.kill()
     if scenario is Scenario.NODE_ISOLATED:
@@ -858,7 +904,7 @@ def measure_node_loss(job: Job, trial: int, scenario: Scenario) -> Sample:
             raise BenchTimeout(f"{scenario.value}: no etcd cluster with a leader on this job")
         etcd.kill(leader)
     t0 = victim.kill()
-    return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet)
+    return measure(job, trial, scenario, MIN_NODES, t0, victim, quiet, survivors=survivors)
 
 
 def measure_isolation(job: Job, trial: int, victim: Node, quiet: Quiet) -> Sample:
@@ -978,7 +1024,7 @@ def run_system_trial(
 ) -> list[Sample]:
     """One trial of one system: per workload its scenarios need, a job with its own etcd (elasticd) or port
     (torchrun), run id and checkpoint dir (``netns``: and network). ``sharded``: the 7 kB job's scenarios run on
-    the sharded job (``SHARDED``) instead.
+    the sharded job (``SHARDED``) instead, the large state's on the sharded ~100M-parameter job (``SHARDED_LARGE``).
 
     ``code`` is a :func:`snapshot_code` copy: every node imports elasticd from it and runs its train.py."""
     chosen = scenarios_for(system, netns, scenarios)
@@ -987,9 +1033,14 @@ def run_system_trial(
         if mine := [sc for sc in chosen if sc.workload is workload and (sc in _ETCD_CLUSTER) == (members == 3)]:
             suffix = ("" if workload is SMALL else f"-{workload.name}") + ("-etcd3" if members == 3 else "")
             trial_dir = workdir / f"{system}-{trial}{suffix}"
-            trained = SHARDED if sharded and workload is SMALL else workload
+            trained = sharded_workload(workload) if sharded else workload
             samples += _run_job(system, trial, trial_dir, code, trained, mine, netns=netns, etcd_members=members)
     return samples
+
+
+def sharded_workload(workload: Workload) -> Workload:
+    """What ``--sharded`` trains in place of ``workload``: the sharded job of its size."""
+    return SHARDED_LARGE if workload is LARGE else SHARDED
 
 
 def _run_job(
@@ -1037,8 +1088,9 @@ def fmt_s(value: float | None) -> str:
     return f"> {RECOVERY_TIMEOUT_S:g}" if math.isinf(value) else f"{value:.1f}"
 
 
-def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
-    """One row per scenario: each system's median and samples, ratio torchrun/elasticd, target verdict."""
+def summarize(samples: Sequence[Sample], sharded: bool = False) -> list[dict[str, Any]]:
+    """One row per scenario: each system's median and samples, ratio torchrun/elasticd, target verdict (``sharded``:
+    issue 26's on the join and node loss rows, none on the others)."""
     rows = []
     for scenario in Scenario:
         row: dict[str, Any] = {"scenario": scenario.value}
@@ -1052,6 +1104,9 @@ def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
                     "contended": [s.contended for s in mine],
                     "phase_medians_s": phase_medians(mine),
                 }
+                for key in ("lost_steps", "survivor_workers_restarted"):
+                    if any(getattr(s, key) is not None for s in mine):
+                        row[system][key] = [getattr(s, key) for s in mine]
         e, t = row.get("elasticd", {}).get("median_s"), row.get("torchrun", {}).get("median_s")
         tuned = row.get("torchrun-tuned", {}).get("median_s")
         row["ratio_torchrun_over_elasticd"] = t / e if e and t is not None and not math.isinf(e) else None
@@ -1060,6 +1115,7 @@ def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
         row["ratio_tuned_over_elasticd_cold"] = (
             tuned / cold if cold and tuned is not None and not math.isinf(cold) else None
         )
+        row["ratio_cold_over_elasticd"] = cold / e if e and cold is not None and not math.isinf(e) else None
         phases = row.get("elasticd", {}).get("phase_medians_s", {})
         beyond = phases.get("beyond_step")
         beyond_tuned = row.get("torchrun-tuned", {}).get("phase_medians_s", {}).get("beyond_step")
@@ -1067,7 +1123,11 @@ def summarize(samples: Sequence[Sample]) -> list[dict[str, Any]]:
         row["ratio_tuned_over_elasticd_beyond_step"] = (
             beyond_tuned / beyond if beyond and beyond > 0 and beyond_tuned is not None else None
         )
-        if scenario.workload is SMALL:
+        if sharded:  # in place from shard mirrors: issue 26's targets, set on the ~100M-parameter job
+            base = scenario.base if scenario.base in (Scenario.JOIN, Scenario.NODE_LOSS) else None
+            cold_ratio = row["ratio_cold_over_elasticd"]
+            row["target"] = sharded_verdict(base is Scenario.JOIN, row.get("elasticd"), cold_ratio) if base else ""
+        elif scenario.workload is SMALL:
             row["target"] = verdict(scenario, e, row["ratio_tuned_over_elasticd"], cold, phases)
         else:
             row["target"] = large_verdict(scenario, phases, row["ratio_tuned_over_elasticd_beyond_step"])
@@ -1167,14 +1227,15 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
     head = ["scenario"]
     for system in SYSTEMS:
         head += [f"{system} s", "samples"]
-    head += ["torchrun/elasticd", "tuned/elasticd", "tuned/cold", "target"]
+    head += ["torchrun/elasticd", "tuned/elasticd", "tuned/cold", "cold/elasticd", "target"]
     body = []
     for row in rows:
         cells = [Scenario(row["scenario"]).label]
         for system in SYSTEMS:
             data = row.get(system)
             cells += [fmt_s(data["median_s"]), _samples(data["samples_s"], data["contended"])] if data else ["n/a", ""]
-        for key in ("ratio_torchrun_over_elasticd", "ratio_tuned_over_elasticd", "ratio_tuned_over_elasticd_cold"):
+        ratios = ("ratio_torchrun_over_elasticd", "ratio_tuned_over_elasticd", "ratio_tuned_over_elasticd_cold")
+        for key in (*ratios, "ratio_cold_over_elasticd"):
             ratio = row[key]
             cells.append("-" if ratio is None else "inf" if math.isinf(ratio) else f"{ratio:.1f}x")
         cells.append(row["target"])
@@ -1191,6 +1252,7 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
             if data := row.get(system):
                 phases = ", ".join(f"{k} {v:.2f}" for k, v in data["phase_medians_s"].items())
                 lines.append(f"  {Scenario(row['scenario']).label:<24} {system:<15} {phases}")
+    lines += in_place_notes(rows, SYSTEMS, lambda scenario: Scenario(scenario).label)
     return "\n".join(lines)
 
 
@@ -1243,8 +1305,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sharded",
         action="store_true",
-        help="the job shards its model with accelerate's FSDP2 (SHARDED); default scenarios join and node_loss, "
-        "systems elasticd, torchrun and torchrun-tuned; the results file is tagged -sharded",
+        help="the job shards its model with accelerate's FSDP2 (SHARDED; the large scenarios: SHARDED_LARGE, ~100M "
+        "parameters), elasticd recovering in place from shard mirrors, elasticd-cold restarting; default scenarios "
+        "join and node_loss (join_large and node_loss_large when asked for, elasticd-cold too); issue 26's targets; "
+        "the results file is tagged -sharded",
     )
     args = p.parse_args(argv)
     if args.trials < 1:
@@ -1267,6 +1331,9 @@ def netns_unavailable() -> str | None:
     return unavailable()
 
 
+_WORKLOADS = (SMALL, LARGE, SHARDED, SHARDED_LARGE)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     global _quiet_timeout_s, _etcd_profile
@@ -1274,14 +1341,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     _etcd_profile = args.etcd_profile
     systems = [sy for sy in SYSTEMS if sy in args.only] if args.only else list(SYSTEMS)
     scenarios = [Scenario(sc) for sc in args.scenarios] if args.scenarios else None
-    if args.sharded:  # cold restarts for every system: elasticd's hot path declines a sharded model
-        systems = [sy for sy in systems if sy != "elasticd-cold"]
+    if args.sharded:
         scenarios = scenarios or [Scenario.JOIN, Scenario.NODE_LOSS]
     workdir = args.logs or Path(tempfile.mkdtemp(prefix="elasticd-bench-recovery-"))
     workdir.mkdir(parents=True, exist_ok=True)
     revision = code_revision()
     code = snapshot_code(workdir / "code")
-    script_flags = sorted({a for w in (SMALL, LARGE, SHARDED) for a in w.script_args if a.startswith("--")})
+    script_flags = sorted({a for w in _WORKLOADS for a in w.script_args if a.startswith("--")})
     daemon_flags = ["--checkpoint-every-steps", "--checkpoint-dir", "--max-restarts"]
     problem = preflight(code, script_flags, daemon_flags, "recovery.py")
     if problem is not None:
@@ -1300,7 +1366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted; node logs: {workdir}", file=sys.stderr)
         return 130
-    rows = summarize(samples)
+    rows = summarize(samples, sharded=args.sharded)
+    trained = (SHARDED, SHARDED_LARGE) if args.sharded else (SMALL, LARGE)  # the jobs this run's rows can be of
     print(render(rows))
     failed = any(s.seconds is None for s in samples)
     tag = ("netns" if args.netns else "") + ("etcddefaults" if args.etcd_profile == "default" else "")
@@ -1314,16 +1381,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             "script_args": list(SCRIPT_ARGS),
             "workloads": {
                 w.name: {"script_args": list(w.script_args), "parameters": w.parameters, "state_bytes": w.state_bytes}
-                for w in (SMALL, LARGE, SHARDED)
+                for w in trained
             },
-            "sharded": {"env": dict(SHARDED.env)} if args.sharded else None,
+            # in place: elasticd recovers the sharded job from shard mirrors every K steps (before: cold restarts)
+            "sharded": (
+                {"env": dict(SHARDED.env), "in_place": True, "shard_mirror_every": SHARD_MIRROR_EVERY}
+                if args.sharded
+                else None
+            ),
             "max_restarts": MAX_RESTARTS,
             "etcd_profile": args.etcd_profile,
             "checkpoint_every_steps": CHECKPOINT_EVERY_STEPS,
             "min_nodes": MIN_NODES,
             "max_nodes": MAX_NODES,
-            "steady_steps": {w.name: w.steady_steps for w in (SMALL, LARGE)},
-            "timeout_scale": {w.name: w.timeout_scale for w in (SMALL, LARGE)},
+            "steady_steps": {w.name: w.steady_steps for w in trained},
+            "timeout_scale": {w.name: w.timeout_scale for w in trained},
             "recovery_timeout_s": RECOVERY_TIMEOUT_S,
             "quiet_timeout_s": args.quiet_timeout,
             "trials": args.trials,

@@ -55,6 +55,9 @@ it). The raw results go to ``bench/results/step_overhead-<commit>.json`` unless 
 
     python bench/step_overhead.py [--compute sleep matmul] [--ranks 1 2] [--blocks 6] [--steps 200] [--no-hot]
                                   [--breakdown] [--json OUT]
+
+``--sharded-mirror`` runs bench/shard_mirror.py instead, with the other arguments (its own): what a sharded (FSDP2)
+job's shard mirrors add to its step.
 """
 
 from __future__ import annotations
@@ -736,6 +739,11 @@ def render(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--sharded-mirror" in given:
+        from bench.shard_mirror import main as shard_mirror
+
+        return shard_mirror([a for a in given if a != "--sharded-mirror"])
     args = parse_args(argv)
     if args.worker is not None:
         worker(args)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from bench.tables import checkpoint_table, goodput_table, hang_table, recovery_table, step_overhead_table
+from bench.tables import (
+    checkpoint_table,
+    goodput_table,
+    hang_table,
+    recovery_table,
+    shard_mirror_table,
+    step_overhead_table,
+)
 from bench.tables_hot import collective_design_table, heal_table, join_contention_table, recovery_memory_table
 
 KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -18,4 +25,5 @@ KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "collective_design": collective_design_table,
     "recovery_memory": recovery_memory_table,
     "join_contention": join_contention_table,
+    "shard_mirror": shard_mirror_table,
 }

@@ -64,3 +64,13 @@ SHARDED = Workload(
     steady_steps=10,
     env=FSDP2_ENV,
 )
+# The sharded job at ~100M parameters (bench/recovery.py --sharded, its large scenarios): LARGE's model, batch, steady
+# steps and timeouts, sharded by the same FSDP2 path (each 4096 x 4096 Linear its own shard unit), DCP checkpoints.
+SHARDED_LARGE = Workload(
+    "sharded_large",
+    LARGE.script_args,
+    LARGE.parameters,
+    steady_steps=LARGE.steady_steps,
+    timeout_scale=LARGE.timeout_scale,
+    env=FSDP2_ENV,
+)
