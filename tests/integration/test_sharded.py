@@ -53,7 +53,11 @@ def _cluster(workdir: Path, etcd: str, config: Path, run_id: str, *, disturb: bo
             str(workdir / "ids.jsonl"),
         ),
         # every checkpoint kept: the test reads which world size wrote the ones the restarts loaded
-        extra=("--accelerate-config", str(config), "--keep-checkpoints", "20", "--recovery", recovery),
+        # mirrors at every step whatever the default: the in-place checks expect no step redone (K - 1 = 0)
+        extra=(
+            *("--accelerate-config", str(config), "--keep-checkpoints", "20"),
+            *("--recovery", recovery, "--shard-mirror-every", "1"),
+        ),
         env={"HF_HOME": str(workdir / "hf")},  # accelerate's default file is the test's (absent), never the host's
     )
 
