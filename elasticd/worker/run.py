@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -188,19 +189,18 @@ class Run:
         )
 
     def reload(self) -> TrainingState | None:
-        """In place, once the group re-formed (a sharded job whose state no member holds): the newest committed
-        checkpoint loaded into the prepared objects by every rank of the new group; None when there is none."""
+        """In place, a sharded job whose state no member holds: every rank of the re-formed group loads the newest
+        committed checkpoint (None: none). ``state`` stays the step reached: regrouped() counts steps redone."""
         self.saver.regroup()  # a write of the old group in flight stays the old group's
         checkpoint = self._resume_point(int(self.accelerator.num_processes))  # the re-formation told accelerate
         if checkpoint is None:
             return None
-        reached = self.state  # the step it had reached stays until regrouped(): the steps redone count from it
-        self._load(checkpoint)
-        loaded, self.state = self.state, reached
+        reached, loaded = self.state, self._load(checkpoint)
+        self.state = reached
         self.log.info("reloaded_in_place", step=loaded.step, path=str(checkpoint.path))
         return loaded
 
-    def _load(self, checkpoint: Checkpoint) -> None:
+    def _load(self, checkpoint: Checkpoint) -> TrainingState:
         manifest = self.saver.load(checkpoint)
         saved_batch = manifest.get("global_batch_size")
         if self.plan is not None and saved_batch not in (None, self.plan.global_batch_size):
@@ -212,6 +212,7 @@ class Run:
         # accelerate's own step counter (gradient accumulation) differs per rank after load_state: reset it
         self.accelerator.step = 0
         self._micro = 0
+        return self.state
 
     # -- the loop ------------------------------------------------------------------------------------------------
 
@@ -225,10 +226,8 @@ class Run:
             slices: deque[StepSlice] = deque()
 
             def micro_stream(slices: deque[StepSlice] = slices, loader: ElasticLoader = loader) -> Iterator[Any]:
-                def skipped(s: StepSlice) -> None:
-                    self.log.info("batch_skipped", epoch=s.epoch, position=s.position)
-
-                for step_slice in loader.sampler.steps(self.state.data, epochs, self.state.skipped_steps, skipped):
+                data, skipped = self.state.data, self.state.skipped_steps
+                for step_slice in loader.sampler.steps(data, epochs, skipped, on_skip=partial(_log_skipped, self)):
                     slices.append(step_slice)
                     yield from step_slice.micro_batches
 
@@ -464,3 +463,7 @@ def _greet_daemon(run: Run) -> None:
     ]
     run.beats.send(Kind.HELLO, capabilities=capabilities, pid=os.getpid())
     run.beats.send(Kind.RESUMED, step=run.state.step)
+
+
+def _log_skipped(run: Run, step_slice: StepSlice) -> None:
+    run.log.info("batch_skipped", epoch=step_slice.epoch, position=step_slice.position)
