@@ -69,7 +69,7 @@ heartbeat and election timeout (100 ms, 1 s; etcd's shortest lease is then 2 s) 
 in ``bench/workloads.py``: ~3.2M parameters, DCP checkpoints, the same FSDP variables in every system's workers), and
 ``join_large`` and ``node_loss_large`` when asked for on the same at ~100M parameters (``SHARDED_LARGE``: LARGE's
 model and batch). elasticd recovers it in place from the shard mirrors its workers keep in peers' memory (every
-``--shard-mirror-every`` K steps, its default 1: a loss redoes at most K - 1 steps, no survivor restarts);
+``--shard-mirror-every`` K steps, its default (4): a loss redoes at most K - 1 steps, no survivor restarts);
 ``elasticd-cold`` is the same job's cold restart from the newest commit, resharded, and runs the large scenarios too
 when asked for by name. The rows are judged on issue 26's targets (``bench/recovery_sharded.py``: node loss, the
 first step at world 2 <= 2 s, steps redone <= K - 1, no survivor restarted, >= 5x the cold restart; a join's pause in

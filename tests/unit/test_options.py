@@ -103,7 +103,7 @@ _NON_DEFAULT = {
     options.KEEP_CHECKPOINTS: "5",
     options.ON_NAN: "skip",
     options.RECOVERY: "cold",
-    options.SHARD_MIRROR_EVERY: "4",
+    options.SHARD_MIRROR_EVERY: "8",
 }
 
 
