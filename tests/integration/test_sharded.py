@@ -126,6 +126,9 @@ def _check_in_place(events: list[dict], lost: str) -> None:
     reconfigured = [e for e in events if e["event"] == "reconfigured" and "lost_nodes" in e and e["rank"] == 0]
     assert [(e["reason"], e["world_size"]) for e in reconfigured] == [("failure", 3), ("join", 4)], reconfigured
     assert all(e["lost_steps"] == 0 for e in reconfigured), reconfigured
+    # a survivor's failed step stopped its backward pass at the next collective (cutoff.py), FSDP2 reset after it
+    failed = [e for e in events if e["event"] == "step_failed"]
+    assert failed and max(e["backward_cuts"] for e in failed) >= 1, failed
 
 
 def _manifest(path: Path) -> dict:

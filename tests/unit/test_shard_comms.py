@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from elasticd.worker.hot import shard_comms
+from elasticd.worker.hot.cutoff import BackwardCutoff
 from elasticd.worker.hot.failure import StepHealth
 from elasticd.worker.hot.shard_comms import ResilientShardComms
 
@@ -93,3 +94,53 @@ def test_a_failure_notice_releases_a_collective_that_never_ends_and_later_ones_a
     comms.run("reduce-scatter", lambda: issued.append(True), None)  # the rest of the failed step
     assert not issued, "a collective of a failed step was issued on the broken group"
     stuck.end()
+
+
+def test_after_a_failed_collective_the_backward_cutoff_is_asked_and_not_after_a_healthy_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def all_gather_single(*_args: Any, **_kwargs: Any) -> _Work:
+        work = _Work(future=True)
+        work.end()
+        return work
+
+    monkeypatch.setattr(shard_comms.dist, "all_gather_single", all_gather_single)
+    health = StepHealth()
+    comms = ResilientShardComms(health)
+    asked: list[bool] = []
+    comms.after_failed = lambda: asked.append(True)
+    comms.all_gather(torch.empty(2), torch.empty(1), None)  # FSDP's call, healthy
+    assert not asked
+    health.fail("a peer died")
+    comms.reduce_scatter(torch.empty(1), torch.empty(2), None)  # a failed step: issues nothing, asks the cutoff
+    assert asked == [True]
+
+
+class _Accelerator:
+    """accelerate's ``backward`` as the cutoff sees it: a call that runs the pass (here: FSDP's collectives of it)."""
+
+    def __init__(self, pass_: Any) -> None:
+        self.pass_ = pass_
+
+    def backward(self, loss: Any, **_kwargs: Any) -> Any:
+        self.pass_()
+        return "done"
+
+
+def test_a_sharded_backward_of_a_failed_step_is_unwound_at_its_collective_and_fsdp_reset_after() -> None:
+    health = StepHealth()
+    cutoff = BackwardCutoff(health, notice=lambda: None, abort=lambda _reason: None)
+    later: list[str] = []
+    resets: list[bool] = []
+
+    def pass_() -> None:
+        cutoff.cut()  # FSDP's first collective of the pass: the step failed before it
+        later.append("the rest of the pass")
+
+    accelerator = _Accelerator(pass_)
+    cutoff.wrap(accelerator, after_cut=lambda: resets.append(True))
+    assert accelerator.backward(None) == "done" and later == ["the rest of the pass"]  # healthy: nothing cut
+    health.fail("all-gather failed: Connection reset by peer")
+    assert accelerator.backward(None) is None
+    assert later == ["the rest of the pass"] and resets == [True] and cutoff.cuts == 1
+    cutoff.cut()  # outside the wrapped backward (a forward's collective): never raises

@@ -202,8 +202,11 @@ class HotSession:
         ``joining``: this worker joins a group that trains already (:meth:`join` comes next)."""
         self.hook.register(self.model)
         self.guard.install(self.optimizer)
-        if self.keeper is None:  # FSDP sets sharded gradients itself: no accumulate-grad hook ever fires
+        if self.keeper is None:
             self.cutoff.install(self.accelerator, self.model)
+        elif isinstance(self.hook, ResilientShardComms):  # FSDP sets sharded gradients itself: its collectives,
+            self.cutoff.wrap(self.accelerator, after_cut=self.model.reset_iter_state)  # not grad hooks, cut a backward
+            self.hook.after_failed = self.cutoff.cut
         self.listener = ProbeListener(listen_address(advertise))  # where peers dial it, not every interface
         record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
         self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))

@@ -57,6 +57,8 @@ class ResilientShardComms:
         self.timeout_s = timeout.total_seconds()
         self._wake = threading.Event()
         self._waiter: _Waiter | None = None
+        # after each collective of a failed step: the backward cutoff unwinds a backward pass here (cutoff.py)
+        self.after_failed: Callable[[], None] = lambda: None
         self.all_gather = _Comm(self, "all-gather")
         self.reduce_scatter = _Comm(self, "reduce-scatter")
 
@@ -199,3 +201,5 @@ class _Comm:
                 )
 
         self.comms.run(self.what, issue, group)
+        if self.comms.health.failed:
+            self.comms.after_failed()  # may raise: the rest of a failed step's backward pass is not computed
