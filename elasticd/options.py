@@ -275,7 +275,7 @@ SHARD_MIRROR_EVERY = Option(
     # mirror every step cost +5.9 % of the mean step, every 4 steps +0.6 %, the smallest measured K within 5 %
     4,
     "Sharded (FSDP2) jobs, --recovery hot: copy each rank's shards to another node's memory every K optimizer steps"
-    " (a node loss then redoes at most K-1 steps, without a restart); 0: no mirrors, a loss restarts from the"
+    " (a node loss then redoes at most K steps, without a restart); 0: no mirrors, a loss restarts from the"
     " checkpoint.",
     "int",
     check=at_least(0),

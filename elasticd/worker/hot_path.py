@@ -290,8 +290,7 @@ class HotPath:
     def stepped(self) -> None:
         """After every completed optimizer step: a sharded job's mirror; the first one at a new size reports the
         recovery."""
-        self.session.after_step(self.run.state)
-        mirrored = self.session.mirror_report()
+        mirrored = self.session.after_step(self.run.state)
         if mirrored is not None:
             self.run.beats.send(Kind.SHARD_MIRRORED, step=self.run.state.step, **mirrored)
         if self._report is None:

@@ -120,12 +120,13 @@ def _check_the_run(
 
 def _check_in_place(events: list[dict], lost: str) -> None:
     """The loss and the join took the sharded hot path: no worker of a surviving node restarted, nothing was loaded
-    from disk after the start, the lost node's shards came from its peer's mirror with no step redone (K = 1)."""
+    from disk after the start, the lost node's shards came from its peer's mirror with at most K = 1 step redone."""
     assert not [e for e in events if e["event"] in ("hot_fallback", "worker_failed") and e.get("node_id") != lost]
     assert not [e for e in events if e["event"] == "resumed"], "a worker loaded a checkpoint"
     reconfigured = [e for e in events if e["event"] == "reconfigured" and "lost_nodes" in e and e["rank"] == 0]
     assert [(e["reason"], e["world_size"]) for e in reconfigured] == [("failure", 3), ("join", 4)], reconfigured
-    assert all(e["lost_steps"] == 0 for e in reconfigured), reconfigured
+    # K = 1: the step the loss interrupted, or the one before when the kill cut the newest generation's transfer
+    assert all(e["lost_steps"] <= 1 for e in reconfigured), reconfigured
     # a survivor's failed step stopped its backward pass at the next collective (cutoff.py), FSDP2 reset after it
     failed = [e for e in events if e["event"] == "step_failed"]
     assert failed and max(e["backward_cuts"] for e in failed) >= 1, failed

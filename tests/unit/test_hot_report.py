@@ -49,11 +49,8 @@ class _Session:
         self.settled += 1
         return 0, 0
 
-    def mirror_report(self) -> None:
-        return None  # a replicated (DDP) job keeps no shard mirror
-
     def after_step(self, state: TrainingState) -> None:
-        """A replicated job's: nothing to mirror."""
+        return None  # a replicated (DDP) job keeps no shard mirror
 
 
 def _recovered(step: int, reason: str) -> Recovered:

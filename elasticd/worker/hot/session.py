@@ -229,14 +229,13 @@ class HotSession:
         if self.keeper is not None:
             self.keeper.start_epoch(mirror_label(self.group, self.epoch))
 
-    def after_step(self, state: TrainingState) -> None:
-        """At every completed optimizer step (a sharded job mirrors its shards here)."""
-        if self.keeper is not None:
-            self.keeper.after_step(state)
-
-    def mirror_report(self) -> dict[str, Any] | None:
-        """A sharded job's mirror figures since the last report, at most a few a second (None: nothing to say)."""
-        return None if self.keeper is None else self.keeper.report()
+    def after_step(self, state: TrainingState) -> dict[str, Any] | None:
+        """At every completed optimizer step: a sharded job mirrors its shards here and returns its mirror figures
+        since the last report, at most a few a second (None: nothing to say)."""
+        if self.keeper is None:
+            return None
+        self.keeper.after_step(state)
+        return self.keeper.report()
 
     def _publish_group(self, nodes: set[str]) -> None:
         """Tell nodes that start now that this group trains in place (they join it instead of a rendezvous)."""
