@@ -21,6 +21,19 @@ from enum import StrEnum
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+# A sharded model's verdict agreed by every rank: ``flags`` (non-finite, NaN; 0 or 1 each) all-reduced with MAX in
+# place. False: the agreement failed (the hot path's: the step failed in place, so it is discarded, not stepped).
+Agree = Callable[[torch.Tensor], bool]
+
+
+def all_ranks(flags: torch.Tensor) -> bool:
+    """The plain agreement, on the default group (no hot path: a lost peer is the daemons' to handle)."""
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return True
+
 
 # With --on-nan skip a run that never produces a finite step again is stuck; stop it rather than burn the cluster.
 SKIP_ONLY_LIMIT = 100
@@ -41,17 +54,28 @@ class _Counts:
     high_water: int = -1  # the step reached when we last rolled back: progress means a finite step past it
 
 
-def grads_nonfinite(params: Iterable[torch.nn.Parameter]) -> tuple[bool, bool]:
-    """(any non-finite, any NaN) over the gradients, with one host sync.
+def grads_nonfinite(params: Iterable[torch.nn.Parameter], agree: Agree = all_ranks) -> tuple[bool, bool] | None:
+    """(any non-finite, any NaN) over the gradients, with one host sync; None when ``agree`` failed.
 
     The sum of every gradient element is NaN if one is NaN and infinite if one is infinite; one pass over the
     gradients (a per-tensor sum is the cheapest on a CPU: a fused inf-norm was 4-6x slower there). A sum of finite
     fp32 gradients overflows only past ~1e38 in total, by which time the run has diverged anyway.
+
+    Replicated gradients (DDP) are the same on every rank: no collective. Sharded ones (FSDP2's DTensors) are summed
+    over this rank's shards and the verdict agreed through ``agree`` (a DTensor's own sum would all-reduce
+    implicitly, on a collective the hot path could not give up on when a peer froze).
     """
-    sums = [p.grad.detach().sum(dtype=torch.float32) for p in params if p.grad is not None]
-    if not sums:
-        return False, False
-    total = torch.stack(sums).sum()
+    params = list(params)
+    sharded = any(isinstance(p, DTensor) for p in params)
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    sums = [g.detach().sum(dtype=torch.float32) for g in local]
+    total = torch.stack(sums).sum() if sums else torch.zeros(())
+    if sharded:
+        flags = torch.stack([(~torch.isfinite(total)).float(), torch.isnan(total).float()])
+        if not agree(flags):
+            return None
+        return bool(flags[0]), bool(flags[1])
     if bool(torch.isfinite(total)):
         return False, False
     return True, bool(torch.isnan(total))
@@ -68,6 +92,7 @@ class NonFiniteGuard:
         self.max_rollbacks = max_rollbacks
         self._counts = _Counts()
         self.last: Verdict = Verdict.OK
+        self.agree: Agree = all_ranks  # a sharded model's verdict across ranks (the hot path gives its own)
 
     def install(self, optimizer: Any, params: Callable[[], Iterable[torch.nn.Parameter]]) -> None:
         """Wrap ``optimizer.step`` (an accelerate ``AcceleratedOptimizer``) so non-finite steps are skipped."""
@@ -76,7 +101,11 @@ class NonFiniteGuard:
         def guarded_step(closure: Any = None) -> Any:
             if not optimizer.gradient_state.sync_gradients:
                 return original(closure)  # accumulating: accelerate does not step either
-            nonfinite, has_nan = grads_nonfinite(params())
+            checked = grads_nonfinite(params(), self.agree)
+            if checked is None:  # the step failed in place during the check: discarded, not stepped
+                optimizer._is_overflow = True
+                return None
+            nonfinite, has_nan = checked
             if getattr(optimizer, "scaler", None) is not None:
                 result = original(closure)  # the scaler skips non-finite steps itself
                 if optimizer.step_was_skipped:

@@ -38,6 +38,7 @@ from elasticd.worker.hot.session import (
     advertised_host,
     is_gloo_world,
 )
+from elasticd.worker.hot.shard_comms import ResilientShardComms
 from elasticd.worker.hot.shard_heal import Sharding
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from elasticd.worker.beats import BeatClient
     from elasticd.worker.coordination import Coordinator
     from elasticd.worker.faults import FaultInjector
+    from elasticd.worker.guard import NonFiniteGuard
     from elasticd.worker.saver import CheckpointSaver
     from elasticd.worker.settings import WorkerSettings
     from elasticd.worker.state import TrainingState
@@ -72,6 +74,8 @@ class RunPort(Protocol):
     def slot(self) -> SlotWriter: ...
     @property
     def beats(self) -> BeatClient: ...
+    @property
+    def guard(self) -> NonFiniteGuard: ...
     @property
     def coordinator(self) -> Coordinator: ...
     @property
@@ -168,6 +172,8 @@ class HotPath:
             client.close()
             return cls._unsupported(run, str(exc))
         run.coordinator.on_failure = session.hook.abort
+        if isinstance(session.hook, ResilientShardComms):  # a sharded model's NaN check is a collective too
+            run.guard.agree = session.hook.agree
         run.saver.on_group_failure = session.hook.abort  # a save's collective failed: that step fails too
         run.saver.group_failed = session.step_failed  # or failed elsewhere while this rank waits
         run.coordinator.wants_change = lambda: session.change_wanted(run.plan_for)

@@ -84,6 +84,13 @@ class ResilientShardComms:
     def close(self) -> None:
         self._wake.set()
 
+    def agree(self, flags: torch.Tensor) -> bool:
+        """The non-finite guard's verdict of a sharded step (``worker/guard.py``), all-reduced with MAX and waited
+        for as FSDP's collectives are; False when the step failed instead (here or elsewhere)."""
+        world = dist.group.WORLD
+        self.run("non-finite check", lambda: dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), world)
+        return not self.health.failed
+
     def run(self, what: str, issue: Callable[[], Any], group: Any) -> None:
         """Issue a collective (``issue()`` returns its Work) and wait for it, or give it up (the step failed)."""
         generation, failed = self.health.state()

@@ -56,7 +56,12 @@ class FailedStepGuard:
                 return None
             # Without a scaler accelerate never clears the flag itself: after a skip the schedule would stop for good.
             optimizer._is_overflow = False
-            return original(closure)
+            result = original(closure)
+            if optimizer._is_overflow and self.health.failed:  # not stepped: it failed inside (a sharded NaN check)
+                self.skipped += 1
+                if self.rollback is not None:
+                    self.rollback.keep()
+            return result
 
         optimizer.step = step
 
