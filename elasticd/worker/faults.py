@@ -10,6 +10,8 @@
     kill@checkpoint=20,rank=0     rank 0 kills itself while writing the checkpoint of step 20
     kill@heal=1,rank=0            rank 0 kills itself in its first heal in place (counted from its start), as it is
                                   about to send its first piece of the state: a sender dying mid-heal
+    fail@heal=1,rank=0            rank 0's first heal in place raises there instead (a heal that breaks on a member
+                                  that lives on: its peers are released by the epoch's failure notice)
     freeze@commit=20,rank=0       rank 0 stops its daemon and itself (SIGSTOP) with the checkpoint of step 20 durable,
                                   just before asking the fence to commit it (a node frozen mid-commit: a stale writer)
     sleep@step=12,rank=1          rank 1 stops forever before step 12 (a hang inside the next collective)
@@ -34,6 +36,10 @@ from dataclasses import dataclass, field
 
 from elasticd import envvars
 from elasticd.worker.sampler import StepSlice
+
+
+class InjectedFault(RuntimeError):
+    """A failure a test asked for (``fail@``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +129,8 @@ class FaultInjector:
         """Called before this member sends a piece of the state in its ``heal``-th heal (1 = the first)."""
         if any(f.extra.get("heal") == str(heal) for f in self._of("kill")):
             os.kill(os.getpid(), signal.SIGKILL)
+        if any(f.extra.get("heal") == str(heal) for f in self._of("fail")):
+            raise InjectedFault(f"fail@heal={heal}: this member's heal breaks here")
 
     def during_checkpoint(self, step: int) -> None:
         if any(f.checkpoint == step for f in self._of("kill")):

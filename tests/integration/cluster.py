@@ -161,11 +161,11 @@ class Node:
 
     def kill(self) -> None:
         """The node dies: SIGKILL to the daemon and every process below it, at the same moment."""
-        procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
-        for p in procs:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                p.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        kill_nodes(self)
+
+    def processes(self) -> list[psutil.Process]:
+        """The daemon and every process below it."""
+        return [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
 
     def freeze(self) -> list[psutil.Process]:
         """The node stops (a paused VM, a stalled kernel): SIGSTOP to the daemon and every process below it. Nothing
@@ -189,6 +189,17 @@ class Node:
             if path.exists():
                 text.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
         return "\n".join(text)
+
+
+def kill_nodes(*nodes: Node) -> None:
+    """The nodes die together: every process of every one SIGKILLed before any is waited for (a node reaped first
+    would leave the others alive long enough, under load, to re-form without it: not "at once")."""
+    procs = [p for node in nodes for p in node.processes()]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    for node in nodes:
+        node.proc.wait(timeout=10)
 
 
 class Cluster:

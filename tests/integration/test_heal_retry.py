@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from elasticd.etcd.server import EmbeddedEtcd
-from elasticd.worker.hot.heal import DEFAULT_HEAL_TIMEOUT
+from elasticd.worker.hot.link import DEFAULT_HEAL_TIMEOUT
 from tests.integration.cluster import Cluster, leftover_processes, read_json_lines, wait_until
 from tests.integration.on_hosts import stamp
 

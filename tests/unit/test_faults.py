@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from elasticd.worker.faults import FaultInjector, parse_faults
+from elasticd.worker.faults import FaultInjector, InjectedFault, parse_faults
 
 
 def test_nan_samples_parse_into_indices_and_an_epoch() -> None:
@@ -42,3 +42,10 @@ def test_a_heal_kill_fires_only_in_its_heal_never_after_a_step(monkeypatch: pyte
     assert killed == []
     faults.before_heal_piece(2)
     assert killed == [signal.SIGKILL]
+
+
+def test_a_heal_failure_raises_only_in_its_heal() -> None:
+    faults = FaultInjector(parse_faults("fail@heal=2"), rank=0)
+    faults.before_heal_piece(1)
+    with pytest.raises(InjectedFault, match="fail@heal=2"):
+        faults.before_heal_piece(2)

@@ -17,7 +17,8 @@ A member that dies or hangs *during the heal* costs the group another epoch, not
 failed (``heal.py``), writes the new epoch's failure notice and bids for the next one, the members whose heal failed
 with :data:`~elasticd.membership.UNHEALED_STEP` (their tensors may be half written: they can only be healed), and
 the next epoch heals again from the members that hold the state, up to :data:`HEAL_ATTEMPTS` times. A half-healed
-member never trains.
+member never trains. A sharded job's heal that breaks is taken again the same way; the next epoch's members then
+load the newest committed checkpoint in place, as what the broken heal half moved cannot be trusted (``shard_heal.py``).
 
 Anything else that stops this (fewer than the minimum, a member dying during the re-formation, a batch plan that does
 not fit the new world, this member left out, no member left that holds the state) raises :class:`HotFallback`: the
@@ -90,6 +91,10 @@ DRAIN_AT_CLOSE_S = 10.0
 
 class LeftGroup(Exception):
     """This member's node leaves on SIGTERM and the group went on without it, at an agreed step boundary."""
+
+
+# A heal that broke part way, taken again in the next epoch (a replicated one's, a sharded one's)
+BrokenHeal = HealError | ShardHealFailed
 
 
 class HotFallback(HotRecoveryError):
@@ -232,10 +237,7 @@ class HotSession:
     def after_step(self, state: TrainingState) -> dict[str, Any] | None:
         """At every completed optimizer step: a sharded job mirrors its shards here and returns its mirror figures
         since the last report, at most a few a second (None: nothing to say)."""
-        if self.keeper is None:
-            return None
-        self.keeper.after_step(state)
-        return self.keeper.report()
+        return None if self.keeper is None else self.keeper.after_step(state)
 
     def _publish_group(self, nodes: set[str]) -> None:
         """Tell nodes that start now that this group trains in place (they join it instead of a rendezvous)."""
@@ -354,7 +356,7 @@ class HotSession:
         for attempt in range(1, HEAL_ATTEMPTS + 1):
             try:
                 healed, heal_bytes, plan = self._enter(decision, state, plan_for)
-            except HealError as exc:
+            except (HealError, ShardHealFailed) as exc:
                 if attempt == HEAL_ATTEMPTS:
                     raise
                 decision = self._after_failed_heal(exc, state, decision.reason, plan_for)
@@ -390,7 +392,7 @@ class HotSession:
         rank = decision.rank_of(me)
         if rank is None:
             raise HotFallback("excluded", f"epoch {target} was decided without {me}: this member is out")
-        if decision.step == UNHEALED_STEP:
+        if decision.step == UNHEALED_STEP and self.keeper is None:  # a sharded group reloads its newest commit
             raise HotFallback("heal_failed", f"no member of epoch {target} holds the state to heal from")
         world = len(decision.members)
         old_rank, old_world = (self.rank if me in self.members else None), len(self.members)
@@ -404,11 +406,11 @@ class HotSession:
         self.watch.follow(target, nodes)
         self._follow_silence(nodes)
         self._heals += 1
+        faults, heals = self._faults, self._heals
         if self.keeper is not None:
             labels = mirror_label(self.group, target - 1), mirror_label(self.group, target)
-            healed_shards, received = self.keeper.heal(state, old_rank, old_world, *labels)
-            return healed_shards, received, plan
-        faults, heals = self._faults, self._heals
+            fault = (lambda: None) if faults is None else (lambda: faults.before_heal_piece(heals))
+            return (*self.keeper.heal(state, old_rank, old_world, *labels, self.watch.reason, fault), plan)
         healed, report = heal(
             0,
             self.model,
@@ -422,7 +424,7 @@ class HotSession:
         return healed, report.bytes_moved, plan
 
     def _after_failed_heal(
-        self, error: HealError, state: TrainingState, reason: str, plan_for: Callable[[int], BatchPlan | None]
+        self, error: BrokenHeal, state: TrainingState, reason: str, plan_for: Callable[[int], BatchPlan | None]
     ) -> Epoch:
         """The heal of this member's (new) epoch failed: tell the others, bid for the next epoch, wait for it."""
         me = self.identity.member

@@ -8,7 +8,7 @@ posted before any is waited on, so no order of ranks can deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,11 +34,13 @@ def exchange(
     me: int,
     new_world: int,
     group: Any = None,
+    wait: Callable[[Any, str], None] = lambda work, _what: work.wait(),
 ) -> tuple[dict[str, torch.Tensor], int]:
     """This rank's (``me`` of ``new_world``) new rows of every key of ``layout``, and the bytes it received.
 
     ``holders[j]``: the new rank holding old shard ``j`` (None: nobody; raises ``MissingShard`` when it is needed).
-    ``group``: the new world's group (default: torch's default group); ranks are its group ranks."""
+    ``group``: the new world's group (default: torch's default group); ranks are its group ranks. ``wait(work,
+    what)`` waits for one send or receive (the heal's: one it can give up, ``link.py``)."""
     moves = plan(layout.rows(), old_world, new_world, holders)
     sizes = bytes_between(moves, layout.row_bytes())
     inbound = {src: torch.empty(n, dtype=torch.uint8) for (src, dst), n in sizes.items() if dst == me}
@@ -54,7 +56,7 @@ def exchange(
         rows = shard_rows(shape[0], new_world, me)
         out[key] = torch.empty((rows.count, *shape[1:]), dtype=layout.dtypes[key])
     for work in works:
-        work.wait()  # type: ignore[union-attr]  # isend/irecv: never None
+        wait(work, "moving shard rows")
     offsets = dict.fromkeys(inbound, 0)
     row_bytes = layout.row_bytes()
     for m in moves:

@@ -9,8 +9,10 @@ each new rank needs (``shard_exchange.py``) and moves its FSDP2 modules and opti
 step gone back to, from the member holding old shard 0 at it. A joiner holds nothing and takes its rows from the
 members' live state at the agreed boundary, the same way.
 
-No step whole in memory (two adjacent nodes lost at once, a generation missing): :class:`NoMirror`, and the group
-restarts from its newest committed checkpoint (the cold path).
+No step whole in memory (two adjacent nodes lost at once, a generation missing), or a member whose last heal broke
+part way (its shards may be half moved, its mirrors are of an epoch whose ranks no longer say whose rows they are):
+the same processes move onto the new world with empty shards and load the newest committed checkpoint into them
+(``_from_checkpoint``); only when there is none, :class:`NoMirror`, and the cold path.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from accelerate.utils import broadcast_object_list
 from torch.distributed.device_mesh import init_device_mesh
 
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.hot.backend import Groups, groups_for
 from elasticd.worker.hot.errors import HotRecoveryError
+from elasticd.worker.hot.link import DEFAULT_HEAL_TIMEOUT, HealLink
 from elasticd.worker.hot.mirror import MirrorStats, ShardMirror, peers
 from elasticd.worker.hot.mirror_pick import Holdings, pick
 from elasticd.worker.hot.reform import DEFAULT_GROUP_TIMEOUT, update_accelerate
@@ -55,7 +57,10 @@ class NoMirror(HotRecoveryError):
 
 
 class ShardHealFailed(HotRecoveryError):
-    """The heal broke part way (a member lost during it): this member's model may be half moved."""
+    """The heal broke part way (a member lost during it): this member's model may be half moved. The session takes
+    the heal again in the next epoch (``session.py``), which then loads the newest commit (``ShardKeeper.broken``)."""
+
+    holds_state = False  # as a receiver's :class:`~elasticd.worker.hot.errors.HealError`: it can only be healed
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,8 @@ class ShardKeeper:
         self.stats = MirrorStats()  # over the whole run: every epoch's ring adds to it
         self._reported = MirrorStats()  # what report() said so far
         self._reported_at = 0.0
+        # the last heal broke part way: the next one, whoever holds what, loads the newest commit into every member
+        self.broken = False
 
     # -- the ring ------------------------------------------------------------------------------------------------
 
@@ -120,12 +127,13 @@ class ShardKeeper:
         group = dist.new_group(backend="gloo", timeout=MIRROR_GROUP_TIMEOUT)
         self.ring = ShardMirror(group, rank=rank, world=world, nproc_per_node=self.nproc_per_node, epoch=label)
 
-    def after_step(self, state: TrainingState) -> None:
-        """At a completed optimizer step: mirror this rank's shards every ``every`` steps."""
-        if self.ring is None or state.step % self.every != 0:
-            return
-        tensors = {k: t.to_local() for k, t in sharded_tensors(self.model, self.optimizer).items()}
-        self.ring.offer(state.step, tensors, self._meta(state), abandon=self._failed)
+    def after_step(self, state: TrainingState) -> dict[str, Any] | None:
+        """At a completed optimizer step: mirror this rank's shards every ``every`` steps; the figures of
+        :meth:`report`."""
+        if self.ring is not None and state.step % self.every == 0:
+            tensors = {k: t.to_local() for k, t in sharded_tensors(self.model, self.optimizer).items()}
+            self.ring.offer(state.step, tensors, self._meta(state), abandon=self._failed)
+        return self.report()
 
     def _meta(self, state: TrainingState) -> dict[str, Any]:
         """What comes back with a step's shards: the run's position and the small state the shards lack."""
@@ -175,22 +183,47 @@ class ShardKeeper:
     # -- the heal ------------------------------------------------------------------------------------------------
 
     def heal(
-        self, state: TrainingState, old_rank: int | None, old_world: int, old_label: str, label: str
+        self,
+        state: TrainingState,
+        old_rank: int | None,
+        old_world: int,
+        old_label: str,
+        label: str,
+        abandon: Callable[[], str | None] | None = None,
+        before_send: Callable[[], None] = lambda: None,
     ) -> tuple[TrainingState, int]:
         """Every member of the new default group (re-formed already): the group's state at the newest step whole in
         memory, moved onto the new world. ``old_rank``: this member's rank in the epoch left (None: a joiner);
         ``old_world``: that epoch's size (a joiner's 0: the members say); ``old_label``/``label``: the epochs left
-        and entered. Returns the state trained on from here and the bytes this rank received. Raises
-        :class:`NoMirror` when no step is whole, :class:`ShardHealFailed` when the heal broke part way."""
+        and entered; ``abandon()``: a reason to give up a wait on a peer (the new epoch's failure notice);
+        ``before_send()``: called as the rows are about to move (the fault injector's hook, ``kill@heal=``). Returns
+        the state trained on from here and the bytes this rank received. Raises :class:`NoMirror` when no step is
+        whole and no checkpoint is committed, :class:`ShardHealFailed` when the heal broke part way."""
+        world = dist.group.WORLD
+        if world is None:
+            raise ShardHealFailed("no process group to heal over: re-form first")
+        link = HealLink(world, 0, DEFAULT_HEAL_TIMEOUT, abandon)
         try:
-            return self._heal(state, old_rank, old_world, old_label, label)
+            healed = self._heal(link, state, old_rank, old_world, old_label, label, before_send)
         except NoMirror:
             raise
         except Exception as exc:
+            self.broken = True
             raise ShardHealFailed(f"the sharded heal failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            link.close()
+        self.broken = False
+        return healed
 
     def _heal(
-        self, state: TrainingState, old_rank: int | None, old_world: int, old_label: str, label: str
+        self,
+        link: HealLink,
+        state: TrainingState,
+        old_rank: int | None,
+        old_world: int,
+        old_label: str,
+        label: str,
+        before_send: Callable[[], None],
     ) -> tuple[TrainingState, int]:
         ring = self.ring
         if ring is not None:
@@ -198,17 +231,17 @@ class ShardKeeper:
             ring.freeze()  # what it holds from here is what the heal uses: no late generation replaces it
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = self._holdings(ring, rank, old_rank, state, old_label)
-        everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, (mine, old_world))
-        old_world = max(w for _, w in everyone)
-        chosen = pick([h for h, _ in everyone if h.old_rank >= 0], old_world, old_label)
+        everyone = link.gather_objects((mine, old_world, self.broken), "agreeing on the shards held")
+        old_world = max(w for _, w, _ in everyone)
+        broken = any(b for _, _, b in everyone)
+        chosen = None if broken else pick([h for h, _, _ in everyone if h.old_rank >= 0], old_world, old_label)
         if chosen is None:
-            return self._from_checkpoint(rank, world, old_label, label)
+            return self._from_checkpoint(link, rank, world, old_label, label)
         step, holders = chosen
         held, meta = self._pieces(ring, old_rank, state, step, holders, rank)
-        shared = broadcast_object_list([meta], from_process=int(holders[0] or 0))
-        meta = shared[0]
-        local, received = exchange(held, meta["layout"], old_world, holders, rank, world)
+        meta = link.broadcast_object(meta, int(holders[0] or 0), "sending the step's small state")
+        before_send()
+        local, received = exchange(held, meta["layout"], old_world, holders, rank, world, wait=link.wait)
         self._move(local, meta, world, label)
         for group, settings in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
             group.update(settings)
@@ -228,14 +261,16 @@ class ShardKeeper:
         remesh(self.model, self.optimizer, mesh, local, meta["layout"], meta["replicated"])
         self.comms.register(self.model)  # the rebuilt parameter groups start with FSDP's default collectives
 
-    def _from_checkpoint(self, rank: int, world: int, old_label: str, label: str) -> tuple[TrainingState, int]:
+    def _from_checkpoint(
+        self, link: HealLink, rank: int, world: int, old_label: str, label: str
+    ) -> tuple[TrainingState, int]:
         """No step whole in memory: move onto the new world with empty shards and load the newest committed
         checkpoint into them, in place (DCP reshards it); the survivors keep their processes."""
-        meta: list[dict[str, Any] | None] = [None]
+        meta: dict[str, Any] | None = None
         if rank == 0:
             live = sharded_tensors(self.model, self.optimizer)
-            meta = [{"layout": layout_of(live), "replicated": replicated_state(self.model, self.optimizer)}]
-        shared = broadcast_object_list(meta, from_process=0)[0]
+            meta = {"layout": layout_of(live), "replicated": replicated_state(self.model, self.optimizer)}
+        shared = link.broadcast_object(meta, 0, "sending the shards' layout")
         layout = shared["layout"]
         local = {
             key: torch.empty((shard_rows(shape[0], world, rank).count, *shape[1:]), dtype=layout.dtypes[key])
