@@ -7,6 +7,7 @@ stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
+import difflib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -141,7 +142,22 @@ def start(**values: Any) -> None:
     from elasticd.agent.daemon import run_daemon
     from elasticd.config import build_start_config
 
+    _refuse_unknown_option(str(values["script"]))
     sys.exit(run_daemon(build_start_config(values)))
+
+
+def _refuse_unknown_option(script: str) -> None:
+    """An option ``start`` does not know, before the script, arrives as SCRIPT (what follows the script goes to it
+    untouched, so unknown options must pass): name it as an option, with the nearest of ``start``'s (difflib, as
+    click's own parser suggests). A file whose name starts with ``-`` is still a script."""
+    if not script.startswith("-") or Path(script).is_file():
+        return
+    ctx = click.get_current_context()
+    known = sorted(opt for param in ctx.command.params for opt in param.opts if opt.startswith("--"))
+    name = script.split("=", 1)[0]
+    nearest = difflib.get_close_matches(name, known, n=1)
+    hint = f"did you mean {nearest[0]}?" if nearest else f"'{ctx.command_path} --help' lists them"
+    raise click.NoSuchOption(name, message=f"no such option: {name} ({hint})", ctx=ctx)
 
 
 @cli.command()

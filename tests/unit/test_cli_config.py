@@ -213,3 +213,35 @@ def test_status_and_stop_read_start_s_config_file_and_ignore_its_other_keys(
     cfg.write_text("etcd: etcd-0:2379\nmin-nodez: 2\n")
     code, err = run_cli(["status", "--config", str(cfg)], capsys)
     assert_one_line_error(code, err, "min-nodez", "min-nodes")
+
+
+@pytest.mark.parametrize(
+    ("typed", "said"),
+    [
+        (["--max-node", "3"], "no such option: --max-node (did you mean --max-nodes?)"),
+        (["--nproc-per-nod=2"], "no such option: --nproc-per-nod (did you mean --nproc-per-node?)"),
+        (["--bogus-flag"], "no such option: --bogus-flag ('elasticd start --help' lists them)"),
+    ],
+)
+def test_a_mistyped_option_before_the_script_is_named_as_one_with_the_nearest(
+    typed: list[str], said: str, script: Path, captured_config: list[StartConfig], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, err = run_cli(["start", "--min-nodes", "1", *typed, str(script)], capsys)
+    assert code == 2 and err == f"elasticd: error: {said}\n"
+    assert captured_config == []
+
+
+def test_options_after_the_script_go_to_it_untouched_and_a_script_named_like_an_option_runs(
+    tmp_path: Path,
+    script: Path,
+    captured_config: list[StartConfig],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    code, err = run_cli(["start", str(script), "--max-node", "3", "--bogus-flag"], capsys)
+    assert code == 0, err
+    assert captured_config[-1].script_args == ("--max-node", "3", "--bogus-flag")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-odd.py").write_text("print('hi')\n")
+    code, err = run_cli(["start", "-odd.py"], capsys)
+    assert code == 0, err
