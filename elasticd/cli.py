@@ -167,7 +167,7 @@ def status(**values: Any) -> None:
     from elasticd.etcd.access import access_from_options
     from elasticd.status import show_status
 
-    v = o.resolve(values, o.STATUS)
+    v = o.resolve(_local_run(values), o.STATUS)
     sys.exit(
         show_status(
             v["etcd"],
@@ -187,8 +187,27 @@ def stop(**values: Any) -> None:
     from elasticd.control import request_drain
     from elasticd.etcd.access import access_from_options
 
-    v = o.resolve(values, o.STOP)
+    v = o.resolve(_local_run(values), o.STOP)
     sys.exit(request_drain(v["etcd"], v["run_id"], v["etcd_connect_timeout_s"], access=access_from_options(v)))
+
+
+def _local_run(values: dict[str, Any]) -> dict[str, Any]:
+    """Without ``--etcd``: this user's run on this machine with an embedded etcd, if there is one
+    (``etcd/local_runs.py``)."""
+    from click.core import ParameterSource
+
+    from elasticd.etcd import local_runs
+
+    ctx = click.get_current_context()
+
+    def given(field: str) -> bool:
+        return ctx.get_parameter_source(field) not in (None, ParameterSource.DEFAULT)
+
+    try:
+        runs = local_runs.find()
+    except local_runs.LocalRunsError:
+        return values  # an unsafe directory: no lookup (the daemon refuses to publish there and says so)
+    return local_runs.fill_in(values, given, runs)
 
 
 @cli.command(o.ETCD_DEV)

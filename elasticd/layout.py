@@ -50,6 +50,19 @@ _HANG_TIME = "%Y%m%dT%H%M%SZ"
 RUNTIME_PREFIX = "elasticd-"
 HANG_SCRATCH_PREFIX = "hang-"  # in the board dir: evidence before the hang is confirmed
 
+# --- the user's local runs (etcd/local_runs.py) ----------------------------------------------------------------------
+LOCAL_RUNS_DIR = "elasticd"  # in $XDG_RUNTIME_DIR
+LOCAL_RUN_SUFFIX = ".json"
+
+
+def local_runs_dir(xdg_runtime_dir: str | None, tmp: str, uid: int) -> Path:
+    """This user's directory of local runs: ``$XDG_RUNTIME_DIR/elasticd``, else ``<tmp>/elasticd-<uid>``."""
+    return Path(xdg_runtime_dir) / LOCAL_RUNS_DIR if xdg_runtime_dir else Path(tmp) / f"{RUNTIME_PREFIX}{uid}"
+
+
+def local_run_name(run_id: str, node_id: str, pid: int) -> str:
+    return f"{run_id}.{node_id}.{pid}{LOCAL_RUN_SUFFIX}"
+
 
 def checkpoint_name(step: int) -> str:
     """The directory name of the committed checkpoint of ``step``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,18 @@ def _logging_as_found() -> Iterator[None]:
         structlog.configure(**config)
         logging.root.handlers[:] = handlers
         logging.root.setLevel(level)
+
+
+@pytest.fixture(autouse=True)
+def _own_local_runs(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Each test its own per-user runtime directory, where daemons with an embedded etcd publish their run and
+    ``elasticd status`` without ``--etcd`` looks (``etcd/local_runs.py``): never another test's run, nor the host's."""
+    directory = Path(tempfile.mkdtemp(prefix="xdg-runtime-"))  # 0700
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(directory))
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture

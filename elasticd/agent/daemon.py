@@ -42,6 +42,7 @@ from elasticd.config import StartConfig
 from elasticd.control import drain_requested
 from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
+from elasticd.etcd import local_runs
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.group_record import GroupToJoin, group_nodes
@@ -97,6 +98,7 @@ def run_daemon(cfg: StartConfig) -> int:
                 local_addr=cfg.local_addr or "127.0.0.1",
             )
             log.info("embedded_etcd_started", endpoint=etcd.endpoint, pid=etcd.pid, credentials=str(etcd.password_file))
+            _publish_local_run(stack, cfg, etcd.endpoint, log)
         client = EtcdClient.connect(**cfg.etcd_connect_args(), on_error=lambda _exc: metrics.etcd_errors_total.inc())
         stack.callback(client.close)
         keys = RunKeys(cfg.run_id)
@@ -279,6 +281,23 @@ def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
     drained = outcome.node_state is NodeState.DRAINING
     logger.info("exit", code=EXIT_OK, drained=drained, left=outcome.leaves)
     return EXIT_OK
+
+
+def _publish_local_run(stack: ExitStack, cfg: StartConfig, endpoint: str, log: Any) -> None:
+    """Where ``elasticd status``/``stop`` without ``--etcd`` find this run's embedded etcd, for this user on this
+    machine (``etcd/local_runs.py``), withdrawn at exit; the exact command is logged too."""
+    access = cfg.etcd_access
+    command = f"elasticd status --etcd {endpoint} --run-id {cfg.run_id}"
+    command += f" --etcd-user {access.user} --etcd-password-file {access.password_file}"
+    try:
+        record = local_runs.publish(
+            local_runs.LocalRun(cfg.run_id, endpoint, access.user, access.password_file, os.getpid(), cfg.node_id)
+        )
+    except (OSError, local_runs.LocalRunsError) as exc:
+        log.warning("local_run_not_published", error=str(exc), status_command=command)
+        return
+    stack.callback(local_runs.withdraw, record)
+    log.info("local_run_published", path=str(record), status_command=command)
 
 
 def _clear_previous_run(client: EtcdClient, keys: RunKeys, node_id: str, log: Any) -> None:
