@@ -109,27 +109,33 @@ def worker_environment(path: Path | None, *, nproc_per_node: int, max_nodes: int
         overridden.append(
             f"num_processes {config.num_processes}: {nproc_per_node} per node (--nproc-per-node), {total} at most"
         )
-    overridden += _parallelism_notes(getattr(config, "parallelism_config", None) or {}, kind)
+    parallelism = getattr(config, "parallelism_config", None) or {}
+    hybrid = kind == "FSDP" and str(parallelism.get("parallelism_config_dp_replicate_size", 1)) not in ("1", "None")
+    if hybrid:
+        env[envvars.HYBRID_SHARD] = "1"
+    overridden += _parallelism_notes(parallelism, hybrid, nproc_per_node)
     return AccelerateEnv(file, env, tuple(overridden))
 
 
-def _parallelism_notes(parallelism: Mapping[str, object], kind: str) -> list[str]:
-    """accelerate's ``parallelism_config`` sizes fix one world size, and an elastic run has many: elasticd's FSDP
-    shards over every worker of the round (accelerate's launch gives them none of these sizes from the file either).
-    Said at start, never silently: HSDP (a replicate size above 1) is not built yet (issue 26's gap)."""
+def _parallelism_notes(parallelism: Mapping[str, object], hybrid: bool, nproc_per_node: int) -> list[str]:
+    """accelerate's ``parallelism_config`` sizes fix one world size, and an elastic run has many (accelerate's launch
+    gives the workers none of them from the file either). Said at start, one line a size: under FSDP a replicate
+    size above 1 asks for HSDP, which elasticd runs as each node's workers sharding and the nodes replicating, as
+    many replicas as nodes in the round (``worker/hybrid.py``); otherwise the shard group is every worker."""
     notes = []
     for key, value in sorted(parallelism.items()):
         name = key.removeprefix("parallelism_config_")
         if not name.endswith("_size") or str(value) in ("1", "None"):
             continue
-        if name == "dp_replicate_size":
-            why = "HSDP (replicate across nodes) is not supported by elasticd yet"
+        if name == "dp_replicate_size" and hybrid:
+            why = "HSDP with the nodes as replicas, as many as nodes in the round"
+        elif name == "dp_shard_size" and hybrid:
+            why = f"each node shards across its own workers ({nproc_per_node}, --nproc-per-node)"
         elif name == "dp_shard_size":
-            why = "the shard group is every worker of the round, at whatever size it forms"
+            why = "the model is sharded across every worker of the round, at whatever size it forms"
         else:
-            why = f"{name.removesuffix('_size').upper()} parallelism is not supported by elasticd"
-        target = "the model is sharded across every worker (FSDP)" if kind == "FSDP" else "ignored"
-        notes.append(f"parallelism_config {name} {value}: {why}; {target}")
+            why = f"{name.removesuffix('_size').upper()} parallelism is not supported by elasticd; ignored"
+        notes.append(f"parallelism_config {name} {value}: {why}")
     return notes
 
 

@@ -98,6 +98,9 @@ ACCELERATE_USE_CPU = "ACCELERATE_USE_CPU"
 # accelerate's FSDP switch, from an FSDP config file (with FSDP_VERSION and the other FSDP_* settings); on a host
 # without GPUs the worker library makes accelerate honour it on gloo (worker/fsdp.py).
 ACCELERATE_USE_FSDP = "ACCELERATE_USE_FSDP"
+# A hybrid-shard config (accelerate's parallelism_config_dp_replicate_size above 1): shard inside each node,
+# replicate across nodes (elasticd/worker/hybrid.py); set by the daemon from the config file.
+HYBRID_SHARD = "ELASTICD_HYBRID_SHARD"
 FSDP_VERSION = "FSDP_VERSION"
 # OpenMP's threads per worker: the daemon divides the physical cores among its workers (accelerate_env.py).
 OMP_NUM_THREADS = "OMP_NUM_THREADS"

@@ -39,7 +39,7 @@ from elasticd.logging import configure_logging, get_logger
 from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.privates.check import check_worker
 from elasticd.privates.surface import Fallback
-from elasticd.worker import fsdp, resume_point
+from elasticd.worker import fsdp, hybrid, resume_point
 from elasticd.worker.batch_tensors import poison, to_device
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.beats import BeatClient
@@ -118,6 +118,7 @@ class Run:
             configure_logging(stdlib=False)
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
         fsdp.take_fsdp_path(accelerator, self.log)  # before prepare(): accelerate shards on gloo too
+        self.hybrid = hybrid.take_hybrid_path(accelerator, self.log)  # HSDP: a node shards, the nodes replicate
         self.plan: BatchPlan | None = None
         self._seed = 0
         self._micro = 0
@@ -175,6 +176,8 @@ class Run:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
         reseed(self._seed, self.state.step, self.rank)
+        if self.hybrid is not None:
+            hybrid.install(model, hybrid.ReplicaReduce(self.hybrid))  # the hot path's waits replace it when armed
         self.hot = HotPath.arm(self, model, optimizer, scheduler)
         self.coordinator.listen()
         _greet_daemon(self)
