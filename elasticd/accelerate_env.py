@@ -12,6 +12,9 @@ sets those each round). A setup elasticd cannot run (TPU, SageMaker, DeepSpeed, 
 An FSDP config (``fsdp_version: 2``) gives the workers accelerate's FSDP variables as its multi-GPU launch would
 (``ACCELERATE_USE_FSDP``, ``FSDP_*``); on a host without GPUs the worker library then makes accelerate take its FSDP2
 path on gloo (:mod:`elasticd.worker.fsdp`). FSDP1 is refused: its checkpoints are not resharded by elasticd's loads.
+A ``parallelism_config`` replicate size above 1 with FSDP is HSDP: the workers get ``ELASTICD_HYBRID_SHARD`` and each
+node shards across its own workers, the nodes replicating (:mod:`elasticd.worker.hybrid`); each size the file fixes
+is said at start.
 
 Without a config file, the workers' CPU threads follow torchrun and accelerate: :func:`default_threads`.
 """

@@ -25,7 +25,7 @@ from elasticd.group_record import Reach, group_reach, read_group
 from elasticd.keys import RunKeys
 from elasticd.messages import Kind
 from elasticd.node_records import read_nodes
-from elasticd.worker import fsdp, hybrid
+from elasticd.worker import fsdp
 from elasticd.worker.hot import exit_guard
 from elasticd.worker.hot.errors import HotRecoveryError
 from elasticd.worker.hot.given_up import GIVEN_UP
@@ -40,6 +40,7 @@ from elasticd.worker.hot.session import (
 )
 from elasticd.worker.hot.shard_comms import ResilientShardComms
 from elasticd.worker.hot.shard_heal import Sharding
+from elasticd.worker.hybrid import HybridMesh
 
 if TYPE_CHECKING:
     from elasticd.board import SlotWriter
@@ -82,6 +83,8 @@ class RunPort(Protocol):
     def saver(self) -> CheckpointSaver: ...
     @property
     def faults(self) -> FaultInjector: ...
+    @property
+    def hybrid(self) -> HybridMesh | None: ...
 
     def plan_for(self, world_size: int) -> BatchPlan | None: ...
 
@@ -128,9 +131,9 @@ class HotPath:
         if run.world_size < 2 and not joining:
             run.log.info("hot_recovery_off", reason="a world of one worker has nobody to re-form with")
             return None
-        sharding = Sharding(s.shard_mirror_every, s.nproc_per_node) if fsdp.is_fsdp(run.accelerator) else None
-        if sharding is not None and hybrid.asked_for_hybrid():
-            return cls._unsupported(run, "HSDP in place (each change restarts the nodes from the newest commit)")
+        sharding = None
+        if fsdp.is_fsdp(run.accelerator):  # HSDP (run.hybrid): no mirrors, the other nodes are replicas
+            sharding = Sharding(s.shard_mirror_every, s.nproc_per_node, run.hybrid)
         if not is_gloo_world():
             return cls._unsupported(run, "a process group other than gloo's default one (NCCL: not yet wired)")
         try:

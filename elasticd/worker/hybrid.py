@@ -67,6 +67,15 @@ def hybrid_mesh(device_type: str, world: int, per_node: int, tag: str = "") -> H
     return HybridMesh(init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=names), names)
 
 
+def take_sharded_path(accelerator: Any, log: Any = None) -> HybridMesh | None:
+    """Before ``prepare``: accelerate's FSDP2 path on a CPU host (``fsdp.py``), then, under a hybrid config, the
+    node's mesh (:func:`take_hybrid_path`)."""
+    from elasticd.worker.fsdp import take_fsdp_path
+
+    take_fsdp_path(accelerator, log)
+    return take_hybrid_path(accelerator, log)
+
+
 def take_hybrid_path(accelerator: Any, log: Any = None) -> HybridMesh | None:
     """Before ``prepare``, under a hybrid config with FSDP: give accelerate the node's dimension of a (nodes,
     workers per node) mesh, so that ``fully_shard`` shards across the node; None when not asked."""
@@ -116,6 +125,12 @@ class ReplicaReduce:
             group = self.group
             self.run("replica all-reduce", lambda: dist.all_reduce(shard, group=group, async_op=True), group)
         shard.div_(self.replicas)
+
+
+def install_replicas(hybrid: HybridMesh | None, model: Any) -> None:
+    """After ``prepare``: the replicas' plain all-reduce on an HSDP model (nothing for any other)."""
+    if hybrid is not None:
+        install(model, ReplicaReduce(hybrid))
 
 
 def install(model: Any, hook: ReplicaReduce) -> None:

@@ -39,7 +39,7 @@ from elasticd.logging import configure_logging, get_logger
 from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.privates.check import check_worker
 from elasticd.privates.surface import Fallback
-from elasticd.worker import fsdp, hybrid, resume_point
+from elasticd.worker import hybrid, resume_point
 from elasticd.worker.batch_tensors import poison, to_device
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.beats import BeatClient
@@ -91,10 +91,9 @@ class Run:
         s = self.settings
         self.store = CheckpointStore(s.checkpoint_dir, s.run_id, keep=s.keep_checkpoints, token=s.fence_token)
         self.beats = BeatClient.from_env()
-        board = self.settings.board
-        # where this rank is right now, for the daemon's hang watchdog; stacks and flight recorder on request
-        self.slot = SlotWriter(slot_path(board, self.settings.local_rank)) if board else NullSlotWriter()
-        self.diagnostics = WorkerDiagnostics(board, self.settings.local_rank, self.slot) if board else None
+        board = s.board  # where this rank is now, for the daemon's hang watchdog; stacks, flight recorder on request
+        self.slot = SlotWriter(slot_path(board, s.local_rank)) if board else NullSlotWriter()
+        self.diagnostics = WorkerDiagnostics(board, s.local_rank, self.slot) if board else None
         self.faults = FaultInjector.from_env(self.rank)
         self.guard = NonFiniteGuard(self.settings.on_nan)
         self.planner = Planner(self.settings, self.beats)
@@ -117,8 +116,8 @@ class Run:
         if not structlog.is_configured():
             configure_logging(stdlib=False)
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
-        fsdp.take_fsdp_path(accelerator, self.log)  # before prepare(): accelerate shards on gloo too
-        self.hybrid = hybrid.take_hybrid_path(accelerator, self.log)  # HSDP: a node shards, the nodes replicate
+        # before prepare(): accelerate shards on gloo too; HSDP: each node shards, the nodes replicate
+        self.hybrid = hybrid.take_sharded_path(accelerator, self.log)
         self.plan: BatchPlan | None = None
         self._seed = 0
         self._micro = 0
@@ -129,8 +128,7 @@ class Run:
         self._loss: Any = None
         self.step_beats = StepBeats(self.beats)
         self.own_time = OwnTime()
-        # recovery in place (--recovery hot): armed by resume(), None when off or unsupported (then: cold restarts)
-        self.hot: HotPath | None = None
+        self.hot: HotPath | None = None  # in place (--recovery hot): armed by resume(); None: cold restarts
         self._loaders: list[ElasticLoader] = []  # every loader made by dataloader(), by identity
         self._replanned: dict[int, ElasticLoader] = {}  # id(original) -> the same loader planned for the new world
         # (a joiner does not: the group it joins may be writing a checkpoint right now)
@@ -176,8 +174,7 @@ class Run:
             self._load(checkpoint)
             self.log.info("resumed", step=self.state.step, epoch=self.state.data.epoch, path=str(checkpoint.path))
         reseed(self._seed, self.state.step, self.rank)
-        if self.hybrid is not None:
-            hybrid.install(model, hybrid.ReplicaReduce(self.hybrid))  # the hot path's waits replace it when armed
+        hybrid.install_replicas(self.hybrid, model)  # the hot path's waits replace it when armed
         self.hot = HotPath.arm(self, model, optimizer, scheduler)
         self.coordinator.listen()
         _greet_daemon(self)

@@ -26,7 +26,7 @@ REL_TOL = 1e-5
 HYBRID = "parallelism_config:\n  parallelism_config_dp_replicate_size: 2\n  parallelism_config_dp_shard_size: 2\n"
 
 
-def _run(etcd: str, workdir: Path, *, disturb: bool) -> dict[str, torch.Tensor]:
+def _run(etcd: str, workdir: Path, *, disturb: bool, recovery: str = "hot") -> dict[str, torch.Tensor]:
     workdir.mkdir()
     config = workdir / "hsdp.yaml"
     config.write_text(fsdp2_config("no") + HYBRID)
@@ -41,7 +41,7 @@ def _run(etcd: str, workdir: Path, *, disturb: bool) -> dict[str, torch.Tensor]:
             *train_args(STEPS, 0.1 if disturb else 0.0),
             *("--save-final", str(workdir / "final.pt"), "--record-ids", str(workdir / "ids.jsonl")),
         ),
-        extra=("--accelerate-config", str(config), "--keep-checkpoints", "20"),
+        extra=("--accelerate-config", str(config), "--keep-checkpoints", "20", "--recovery", recovery),
         env={"HF_HOME": str(workdir / "hf")},
     ) as c:
         names = ["hy-a", "hy-b"]
@@ -49,9 +49,12 @@ def _run(etcd: str, workdir: Path, *, disturb: bool) -> dict[str, torch.Tensor]:
             c.start(name)
         c.wait_step(lambda s: s["world_size"] == 4 and s["step"] >= 12, timeout_s=150, what="4 workers, step 12")
         if disturb:
+            pids = c.nodes["hy-a"].worker_pids()
             c.nodes["hy-b"].kill()
             names.remove("hy-b")
             at2 = c.wait_step(lambda s: s["world_size"] == 2, timeout_s=120, what="one node left")
+            if recovery == "hot":
+                assert c.nodes["hy-a"].worker_pids() == pids, "the surviving node's workers were restarted"
             c.start("hy-c")
             names.append("hy-c")
             c.wait_step(lambda s: s["world_size"] == 4 and s["t"] > at2["t"], timeout_s=150, what="two nodes again")
@@ -61,8 +64,18 @@ def _run(etcd: str, workdir: Path, *, disturb: bool) -> dict[str, torch.Tensor]:
         events = [e for n in c.nodes.values() for e in n.events()]
         hybrid = [e for e in events if e["event"] == "hybrid_shard"]
         assert hybrid and {e["per_node"] for e in hybrid} == {2}, "the job did not shard inside the nodes"
-        assert {e["nodes"] for e in hybrid} == ({1, 2} if disturb else {2})
         steps = c.all_steps()
+        if disturb and recovery == "hot":  # in place: the survivor's processes, nothing from disk, no step redone
+            assert not [e for e in events if e["event"] in ("hot_fallback", "worker_failed", "resumed")]
+            reconfigured = [e for e in events if e["event"] == "reconfigured" and "lost_nodes" in e and e["rank"] == 0]
+            assert [(e["reason"], e["world_size"]) for e in reconfigured] == [("failure", 2), ("join", 4)]
+            assert all(e["lost_steps"] <= 1 for e in reconfigured), reconfigured
+            # the survivor kept its shards (nothing moved); the joiner's workers took theirs from it
+            assert reconfigured[0]["heal_bytes"] == 0, reconfigured
+            joined = c.nodes["hy-c"].events("regrouped")
+            assert len(joined) == 2 and all(e["heal_bytes"] > 0 for e in joined), joined
+        else:
+            assert {e["nodes"] for e in hybrid} == ({1, 2} if disturb else {2})
     for s in steps:
         assert s["lr"] == pytest.approx(expected_lr(s["step"]), rel=1e-9)
     ids = effective_ids(workdir / "ids.jsonl")
@@ -73,14 +86,15 @@ def _run(etcd: str, workdir: Path, *, disturb: bool) -> dict[str, torch.Tensor]:
     return torch.load(workdir / "final.pt")
 
 
+@pytest.mark.parametrize("recovery", ["hot", "cold"])
 def test_hsdp_loses_a_node_and_gains_one_and_ends_with_an_undisturbed_run_s_weights(
-    etcd: EmbeddedEtcd, tmp_path: Path
+    etcd: EmbeddedEtcd, tmp_path: Path, recovery: str
 ) -> None:
     reference = _run(etcd.endpoint, tmp_path / "undisturbed", disturb=False)
-    disturbed = _run(etcd.endpoint, tmp_path / "disturbed", disturb=True)
+    disturbed = _run(etcd.endpoint, tmp_path / "disturbed", disturb=True, recovery=recovery)
     assert reference.keys() == disturbed.keys() and reference
     worst = max(
         ((disturbed[k] - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item() for k, ref in reference.items()
     )
-    print(f"HSDP fp32, kill and join against undisturbed: largest relative difference {worst:.3e}")
+    print(f"HSDP fp32 ({recovery}), kill and join against undisturbed: largest relative difference {worst:.3e}")
     assert worst <= REL_TOL

@@ -59,6 +59,7 @@ from elasticd.worker.hot.cutoff import BackwardCutoff
 from elasticd.worker.hot.errors import HealError, HotRecoveryError
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
+from elasticd.worker.hot.hybrid_heal import HybridKeeper
 from elasticd.worker.hot.reform import Reformer
 from elasticd.worker.hot.registered import Rollback, registered_objects
 from elasticd.worker.hot.shard_comms import ResilientShardComms
@@ -505,7 +506,8 @@ def _comms(
         return hook, Reformer(session.accelerator, session.model, session.holder), None
     comms = ResilientShardComms(session.health, notice=session.watch.reason)
     parts = (session.accelerator, session.model, session.optimizer, session.scheduler)
-    return comms, ShardedReformer(session.accelerator), ShardKeeper(*parts, comms, sharded, session.step_failed, reload)
+    keeper = ShardKeeper if sharded.hybrid is None else HybridKeeper  # HSDP: the other nodes are the copies
+    return comms, ShardedReformer(session.accelerator), keeper(*parts, comms, sharded, session.step_failed, reload)
 
 
 def fallback_for(exc: Exception) -> HotFallback:

@@ -69,6 +69,7 @@ class Sharding:
 
     every: int
     nproc_per_node: int
+    hybrid: Any = None  # HSDP: the (nodes, workers per node) mesh at start (worker/hybrid.py's HybridMesh)
 
 
 class ShardedReformer:
@@ -102,6 +103,7 @@ class ShardKeeper:
         the newest committed checkpoint into the prepared objects, in place (a collective; None: there is none)."""
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.comms = comms
+        self.sharding = sharding
         self.every = sharding.every
         self.nproc_per_node = sharding.nproc_per_node
         self._failed = failed
@@ -273,7 +275,7 @@ class ShardKeeper:
         shared = link.broadcast_object(meta, 0, "sending the shards' layout")
         layout = shared["layout"]
         local = {
-            key: torch.empty((shard_rows(shape[0], world, rank).count, *shape[1:]), dtype=layout.dtypes[key])
+            key: torch.empty((self._rows(shape[0], world, rank), *shape[1:]), dtype=layout.dtypes[key])
             for key, shape in layout.shapes.items()
         }
         self._move(local, shared, world, label)
@@ -283,6 +285,10 @@ class ShardKeeper:
         self._retire_ring()
         self.start_epoch(label)
         return state, 0
+
+    def _rows(self, n: int, world: int, rank: int) -> int:
+        """How many of a tensor's ``n`` rows ``rank`` holds in a world of ``world``."""
+        return shard_rows(n, world, rank).count
 
     def _holdings(
         self, ring: ShardMirror | None, rank: int, old_rank: int | None, state: TrainingState, label: str
