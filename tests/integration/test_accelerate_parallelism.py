@@ -1,6 +1,6 @@
-"""accelerate's ``parallelism_config`` sizes fix one world size; an elastic run has many. elasticd's FSDP shards over
-every worker of the round, and says so at start for each size the file sets (HSDP is not built yet), never
-silently: the workers get none of those sizes (a replicate size would make accelerate refuse any other world)."""
+"""accelerate's ``parallelism_config`` sizes fix one world size; an elastic run has many. A replicate size above 1
+under FSDP is HSDP, which elasticd runs with the nodes as replicas (``worker/hybrid.py``); each size the file sets is
+said at start, never silently, and the workers get none of them (accelerate would refuse any other world)."""
 
 from __future__ import annotations
 
@@ -35,12 +35,11 @@ def test_a_hybrid_shard_config_is_named_at_start_and_its_sizes_never_reach_the_w
     found = worker_environment(path, nproc_per_node=2, max_nodes=3, has_gpu=False)
     notes = [line for line in found.overridden if line.startswith("parallelism_config")]
     assert notes == [
-        "parallelism_config dp_replicate_size 2: HSDP (replicate across nodes) is not supported by elasticd yet;"
-        " the model is sharded across every worker (FSDP)",
-        "parallelism_config dp_shard_size 2: the shard group is every worker of the round, at whatever size it"
-        " forms; the model is sharded across every worker (FSDP)",
+        "parallelism_config dp_replicate_size 2: HSDP with the nodes as replicas, as many as nodes in the round",
+        "parallelism_config dp_shard_size 2: each node shards across its own workers (2, --nproc-per-node)",
     ]
-    assert not [k for k in found.env if k.startswith("PARALLELISM_CONFIG") or "PARALLELISM" in k]
+    assert found.env["ELASTICD_HYBRID_SHARD"] == "1"
+    assert not [k for k in found.env if "PARALLELISM" in k]
     plain = tmp_path / "fsdp.yaml"
     plain.write_text(CONFIG.split("parallelism_config:")[0] + "use_cpu: true\n")
     assert not [
