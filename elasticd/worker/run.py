@@ -116,8 +116,7 @@ class Run:
         if not structlog.is_configured():
             configure_logging(stdlib=False)
         self.log = get_logger(rank=self.rank, run_id=self.settings.run_id)
-        # before prepare(): accelerate shards on gloo too; HSDP: each node shards, the nodes replicate
-        self.hybrid = hybrid.take_sharded_path(accelerator, self.log)
+        self.hybrid = hybrid.take_sharded_path(accelerator, self.log)  # before prepare(): FSDP on gloo, HSDP
         self.plan: BatchPlan | None = None
         self._seed = 0
         self._micro = 0
@@ -252,6 +251,7 @@ class Run:
                 if self._generation != generation:
                     break
             if self._generation == generation:
+                _say_if_finished_before(self, epochs, trained=index > 0 or original is not loader)
                 self.slot.set_phase(Phase.DONE)
                 self.saver.wait(everyone=True)
                 return
@@ -467,3 +467,18 @@ def _greet_daemon(run: Run) -> None:
 
 def _log_skipped(run: Run, step_slice: StepSlice) -> None:
     run.log.info("batch_skipped", epoch=step_slice.epoch, position=step_slice.position)
+
+
+def _say_if_finished_before(run: Run, epochs: int, *, trained: bool) -> None:
+    """A run started again after it had finished (the newest commit is its last step) trains nothing: say so, with
+    how to start a new one, instead of exiting in silence (rank 0)."""
+    if trained or run.state.step == 0 or not run.accelerator.is_main_process:
+        return
+    s = run.settings
+    run.log.warning(
+        "run_already_finished",
+        step=run.state.step,
+        epochs=epochs,
+        message=f"run {s.run_id!r} finished before this start (step {run.state.step}, {epochs} epochs): nothing left to"
+        f" train; to train again, start with another --run-id, or remove {s.checkpoint_dir / s.run_id}",
+    )

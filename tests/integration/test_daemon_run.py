@@ -60,11 +60,20 @@ def test_single_node_run_on_embedded_etcd_finishes_and_commits_checkpoints(tmp_p
     assert manifest["step"] == 20 and manifest["world_size"] == 2 and manifest["global_batch_size"] == 48
 
 
-def test_same_run_id_can_run_again_after_it_finished(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
+def test_same_run_id_can_run_again_after_it_finished_and_says_there_is_nothing_left(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    # the second start resumes at the last step and trains nothing: it says so, with how to train again (issue 27)
     for attempt in range(2):
         with Cluster(etcd.endpoint, tmp_path, run_id="again", script_args=train_args(10)) as c:
             node = c.start(f"again-{attempt}")
             assert node.wait(90) == 0, node.tail()
+            finished = node.events("run_already_finished")
+            if attempt == 0:
+                assert finished == [], finished
+            else:
+                assert [e["step"] for e in finished] == [10], node.tail()
+                assert "another --run-id" in finished[0]["message"]
 
 
 def test_unreachable_etcd_fails_fast_naming_the_endpoint(tmp_path: Path) -> None:
