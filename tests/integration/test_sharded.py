@@ -281,7 +281,8 @@ def test_a_heal_broken_on_a_member_costs_an_epoch_and_the_commit_is_reloaded_in_
         c.nodes[killed].kill()
         c.wait_step(lambda s: s["world_size"] == world, timeout_s=120, what=f"{world} workers after the broken heal")
         assert {n: c.nodes[n].worker_pids() for n in survivors} == pids, "a survivor's workers were restarted"
-        c.stop_run()  # a node whose worker died in the heal may bring one back as a joiner meanwhile: either way
+        # the run trains to its end: the node whose worker died in the heal may bring one back as a joiner meanwhile
+        # (not stopped here: a drain while a joiner is being admitted once stalled the group 2 minutes, a known gap)
         for name in survivors:
             assert c.nodes[name].wait(300) == 0, c.diagnostics()
         events = [e for n in survivors for e in c.nodes[n].events()]
