@@ -203,11 +203,7 @@ def _local_run(values: dict[str, Any]) -> dict[str, Any]:
     def given(field: str) -> bool:
         return ctx.get_parameter_source(field) not in (None, ParameterSource.DEFAULT)
 
-    try:
-        runs = local_runs.find()
-    except local_runs.LocalRunsError:
-        return values  # an unsafe directory: no lookup (the daemon refuses to publish there and says so)
-    return local_runs.fill_in(values, given, runs)
+    return local_runs.fill_in(values, given, local_runs.find)
 
 
 @cli.command(o.ETCD_DEV)

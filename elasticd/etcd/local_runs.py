@@ -116,13 +116,19 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def fill_in(values: Mapping[str, Any], given: Callable[[str], bool], runs: list[LocalRun]) -> dict[str, Any]:
+def fill_in(
+    values: Mapping[str, Any], given: Callable[[str], bool], local: Callable[[], list[LocalRun]]
+) -> dict[str, Any]:
     """``status``/``stop``'s option values (by field) with the local run's etcd and login, when the user named no etcd
     and no credentials (``given(field)``: the user set it, on the command line, in the environment or the config
-    file) and ``runs`` (:func:`find`) hold one for the run asked for (``--run-id``, or any when not given). Raises
-    :class:`ConfigError` when several match: the user must pick."""
+    file) and ``local()`` (:func:`find`, read only then) holds one for the run asked for (``--run-id``, or any when
+    not given). Raises :class:`ConfigError` when several match: the user must pick."""
     if given(o.ETCD.field) or any(given(option.field) for option in o.ETCD_ACCESS):
         return dict(values)
+    try:
+        runs = local()
+    except LocalRunsError:
+        return dict(values)  # an unsafe directory: no lookup (the daemon refuses to publish there and says so)
     if given(o.RUN_ID.field):
         runs = [run for run in runs if run.run_id == values[o.RUN_ID.field]]
     if not runs:

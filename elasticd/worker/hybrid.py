@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from elasticd import envvars
 from elasticd.errors import ElasticdError
+from elasticd.worker.fsdp import is_fsdp, take_fsdp_path
 
 REPLICATE, SHARD = "dp_replicate", "dp_shard"
 
@@ -70,8 +71,6 @@ def hybrid_mesh(device_type: str, world: int, per_node: int, tag: str = "") -> H
 def take_sharded_path(accelerator: Any, log: Any = None) -> HybridMesh | None:
     """Before ``prepare``: accelerate's FSDP2 path on a CPU host (``fsdp.py``), then, under a hybrid config, the
     node's mesh (:func:`take_hybrid_path`)."""
-    from elasticd.worker.fsdp import take_fsdp_path
-
     take_fsdp_path(accelerator, log)
     return take_hybrid_path(accelerator, log)
 
@@ -81,8 +80,6 @@ def take_hybrid_path(accelerator: Any, log: Any = None) -> HybridMesh | None:
     workers per node) mesh, so that ``fully_shard`` shards across the node; None when not asked."""
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.state import AcceleratorState
-
-    from elasticd.worker.fsdp import is_fsdp
 
     if not asked_for_hybrid() or not is_fsdp(accelerator):
         return None

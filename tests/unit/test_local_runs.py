@@ -58,25 +58,26 @@ VALUES = {o.ETCD.field: None, o.RUN_ID.field: "default", o.ETCD_USER.field: None
 
 
 def test_status_without_etcd_takes_the_one_local_run_and_its_login() -> None:
-    filled = local_runs.fill_in(VALUES, _given(), [_run()])
+    filled = local_runs.fill_in(VALUES, _given(), lambda: [_run()])
     assert filled[o.ETCD.field] == "127.0.0.1:40001" and filled[o.RUN_ID.field] == "demo"
     assert filled[o.ETCD_USER.field] == "root" and filled[o.ETCD_PASSWORD_FILE.field] == "/tmp/x/password"
 
 
 def test_a_named_etcd_or_login_is_never_replaced_and_a_named_run_must_match() -> None:
     for field in (o.ETCD.field, o.ETCD_USER.field, o.ETCD_CACERT.field):
-        assert local_runs.fill_in(VALUES, _given(field), [_run()]) == VALUES
+        assert local_runs.fill_in(VALUES, _given(field), lambda: [_run()]) == VALUES
     assert (
-        local_runs.fill_in({**VALUES, o.RUN_ID.field: "other"}, _given(o.RUN_ID.field), [_run()])[o.ETCD.field] is None
+        local_runs.fill_in({**VALUES, o.RUN_ID.field: "other"}, _given(o.RUN_ID.field), lambda: [_run()])[o.ETCD.field]
+        is None
     )
     picked = local_runs.fill_in(
-        {**VALUES, o.RUN_ID.field: "b"}, _given(o.RUN_ID.field), [_run("a"), _run("b", "127.0.0.1:40002")]
+        {**VALUES, o.RUN_ID.field: "b"}, _given(o.RUN_ID.field), lambda: [_run("a"), _run("b", "127.0.0.1:40002")]
     )
     assert picked[o.ETCD.field] == "127.0.0.1:40002"
 
 
 def test_several_local_runs_ask_the_user_to_name_one() -> None:
     with pytest.raises(ConfigError, match="--run-id: 2 runs with an embedded etcd on this machine: a at"):
-        local_runs.fill_in(VALUES, _given(), [_run("a"), _run("b", "127.0.0.1:40002")])
+        local_runs.fill_in(VALUES, _given(), lambda: [_run("a"), _run("b", "127.0.0.1:40002")])
     with pytest.raises(ConfigError, match="--etcd: 2 runs"):
-        local_runs.fill_in(VALUES, _given(), [_run("a"), _run("a", "127.0.0.1:40002")])
+        local_runs.fill_in(VALUES, _given(), lambda: [_run("a"), _run("a", "127.0.0.1:40002")])

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from elasticd.worker.hot.link import HealLink
-from elasticd.worker.hot.registered import registered_objects, restore
 from elasticd.worker.hot.remesh import layout_of, remesh, sharded_tensors
 from elasticd.worker.hot.shard_heal import NoMirror, ShardKeeper
 from elasticd.worker.hot.shard_rows import shard_rows
@@ -72,14 +71,7 @@ class HybridKeeper(ShardKeeper):
         meta = link.broadcast_object(meta, 0, "sending the step's small state")
         before_send()
         local, received = self._shards(link, everyone, holder, meta["layout"], rank, world)
-        self._move(local, meta, world, label)
-        for group, settings in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
-            group.update(settings)
-        if self.scheduler is not None and meta["scheduler"] is not None:
-            self.scheduler.load_state_dict(meta["scheduler"])
-        restore(registered_objects(self.accelerator), meta["registered"])
-        self.start_epoch(label)
-        return TrainingState.from_meta(meta["state"]), received
+        return self._finish(local, meta, world, label), received
 
     def _shards(
         self,

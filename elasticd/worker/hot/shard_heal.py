@@ -244,15 +244,19 @@ class ShardKeeper:
         meta = link.broadcast_object(meta, int(holders[0] or 0), "sending the step's small state")
         before_send()
         local, received = exchange(held, meta["layout"], old_world, holders, rank, world, wait=link.wait)
+        return self._finish(local, meta, world, label), received
+
+    def _finish(self, local: dict[str, torch.Tensor], meta: dict[str, Any], world: int, label: str) -> TrainingState:
+        """Every heal's end: this rank's rows onto the new mesh, the small state of the step gone back to (from
+        ``meta``), the new epoch's ring. Returns the state trained on from here."""
         self._move(local, meta, world, label)
         for group, settings in zip(self.optimizer.param_groups, meta["param_groups"], strict=True):
             group.update(settings)
         if self.scheduler is not None and meta["scheduler"] is not None:
             self.scheduler.load_state_dict(meta["scheduler"])
         restore(registered_objects(self.accelerator), meta["registered"])
-        self._retire_ring()
-        self.start_epoch(label)
-        return TrainingState.from_meta(meta["state"]), received
+        self.start_epoch(label)  # retires the old ring first
+        return TrainingState.from_meta(meta["state"])
 
     def _move(self, local: dict[str, torch.Tensor], meta: dict[str, Any], world: int, label: str) -> None:
         device = next(iter(local.values())).device if local else torch.device("cpu")
