@@ -38,7 +38,7 @@ def _run(etcd: str, workdir: Path, *, disturb: bool, recovery: str = "hot") -> d
         max_nodes=2,
         nproc_per_node=2,
         script_args=(
-            *train_args(STEPS, 0.1 if disturb else 0.0),
+            *train_args(STEPS, 0.25 if disturb else 0.0),  # long enough for a joiner to start under load
             *("--save-final", str(workdir / "final.pt"), "--record-ids", str(workdir / "ids.jsonl")),
         ),
         extra=("--accelerate-config", str(config), "--keep-checkpoints", "20", "--recovery", recovery),
