@@ -38,6 +38,7 @@ TOKEN_ATTEMPTS = 5
 TOKEN_DEADLINE_S = 10.0
 # A writer id with no daemon (plain python / accelerate launch): partial directories are then "step-N.local.partial".
 LOCAL_WRITER = "local"
+ADOPTED = "adopted"  # the token of a record adopted from disk by a new lineage, not committed by a writer of it
 
 
 class TokenWriteError(ElasticdError):
@@ -52,7 +53,7 @@ class CheckpointRecord:
     dir: str  # the committed directory, ``step-N``
     partial: str  # the writer's own directory before the rename (for rolling a commit forward after a crash)
     manifest_sha256: str  # sha256 of the checkpoint's ``elasticd.json``
-    token: str  # the token of the writer that committed it ("adopted" for one adopted from disk)
+    token: str  # the token of the writer that committed it (:data:`ADOPTED` for one adopted from disk)
     committed_at: float
 
     def encode(self) -> bytes:

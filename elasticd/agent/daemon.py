@@ -48,7 +48,7 @@ from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.group_record import GroupToJoin, group_nodes
 from elasticd.keys import RunKeys
 from elasticd.layout import RunLayout, RuntimeLayout, slot_path
-from elasticd.lineage import CheckpointRecord, Lineage
+from elasticd.lineage import ADOPTED, CheckpointRecord, Lineage
 from elasticd.liveness_probe import ProbeListener
 from elasticd.logging import configure_logging, get_logger
 from elasticd.membership import Membership
@@ -339,7 +339,7 @@ def _adopt_from_disk(cfg: StartConfig, log: Any) -> CheckpointRecord | None:
     if found is None:
         return None
     log.info("lineage_adopted", step=found.step, path=str(found.path))
-    return store.record_for(found, "adopted")
+    return store.record_for(found, ADOPTED)
 
 
 def _install_leave_signals(agent: ElasticdAgent) -> None:

@@ -26,7 +26,7 @@ from tests.source_literals import PACKAGE
 
 # (the layer's name, its modules: a package folder ends in "/", paths are relative to elasticd/), top first.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("entry points", ("__main__.py", "cli.py")),
+    ("entry points", ("__main__.py", "cli.py", "demo/")),
     ("the daemon and the commands", ("agent/", "status.py", "control.py")),
     # what the daemon runs and the commands show: the worker library (with its public face, elasticd/__init__.py),
     # the rendezvous, the daemon's configuration, the status command's live view
