@@ -14,6 +14,8 @@ import errno
 EXIT_OK = 0
 EXIT_GAVE_UP = 1
 EXIT_USAGE = 2
+# scripts/demo stopped by Ctrl-C or SIGTERM (elasticd/demo/): a shell's 128 + SIGINT
+EXIT_INTERRUPTED = 130
 
 # --- a worker's, read by its daemon ---------------------------------------------------------------------------------
 # The worker's world does not split the global batch while another node count of the range would

@@ -52,6 +52,16 @@ class RunKeys:
         return f"{self.prefix}rdzv/store/"
 
     @property
+    def rdzv_alive_prefix(self) -> str:
+        return f"{self.prefix}rdzv/alive/"
+
+    def rdzv_alive(self, name: str) -> str:
+        """A daemon's rendezvous name (torch's node descriptor, ``addr_pid_localid``) on its node's liveness lease
+        (agent/node_lease.py): gone about a second after the daemon, so a re-forming round need not wait for its
+        heartbeat in the rendezvous state to expire (rendezvous/quorum.py)."""
+        return f"{self.rdzv_alive_prefix}{name}"
+
+    @property
     def nodes_prefix(self) -> str:
         return f"{self.prefix}nodes/"
 

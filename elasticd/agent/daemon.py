@@ -111,23 +111,23 @@ def run_daemon(cfg: StartConfig) -> int:
         registry.claim()
         stack.callback(registry.release)
         registry.start_keepalive()
-        lease: NodeLease | None = None
-        if cfg.recovery == "hot":
-            # the hot path's verdict on a vanished node: this key is gone about a second after we stop
-            # on a client of its own: behind the shared client's lock, a refresh would wait out every other call's
-            # deadline while etcd is away, and the lease would lapse just after etcd came back (quorum regained)
-            def lease_client() -> EtcdClient:
-                return client.reconnect(request_timeout_s=LEASE_REQUEST_TIMEOUT_S)
 
-            lease = NodeLease(
-                lease_client(),
-                keys,
-                cfg.node_id,
-                on_error=lambda e: log.warning("node_lease_failed", error=e),
-                reconnect=lease_client,
-            )
-            lease.start()
-            stack.callback(lease.close)
+        # a vanished node's verdict, for the hot path and for the rendezvous (a re-forming round does not wait for a
+        # node whose lease is gone): this key is gone about a second after we stop.
+        # On a client of its own: behind the shared client's lock, a refresh would wait out every other call's
+        # deadline while etcd is away, and the lease would lapse just after etcd came back (quorum regained)
+        def lease_client() -> EtcdClient:
+            return client.reconnect(request_timeout_s=LEASE_REQUEST_TIMEOUT_S)
+
+        lease = NodeLease(
+            lease_client(),
+            keys,
+            cfg.node_id,
+            on_error=lambda e: log.warning("node_lease_failed", error=e),
+            reconnect=lease_client,
+        )
+        lease.start()
+        stack.callback(lease.close)
         # torch loads only now (~4 s on a busy host): what a user waits to hear about (metrics port, etcd, a node id
         # in use) is answered in about a second. tests/integration/test_startup_imports.py keeps it that way.
         from torch.distributed.elastic.agent.server.api import WorkerSpec
@@ -150,6 +150,7 @@ def run_daemon(cfg: StartConfig) -> int:
             worker_starts = warm_start.WarmStarts(cfg.script, log).handlers
 
         handler = create_handler(rendezvous_parameters(cfg))
+        handler.use_liveness_lease(lease.hold)
         spec = WorkerSpec(
             role="default",
             local_world_size=cfg.nproc_per_node,
@@ -208,7 +209,7 @@ def run_daemon(cfg: StartConfig) -> int:
             join_finder=(
                 partial(_group_to_join, client, keys, cfg, handler.num_nodes_waiting) if cfg.recovery == "hot" else None
             ),
-            announce_leaving=lease.announce_leaving if lease is not None else None,
+            announce_leaving=lease.announce_leaving if cfg.recovery == "hot" else None,
             group_nodes=lambda: group_nodes(client, keys),
             worker_starts=worker_starts,
         )

@@ -5,7 +5,10 @@ the hot path that a node vanished (power loss, a partition, SIGSTOP: nothing res
 collectives just wait). This key lives on a lease of :data:`TTL_S`, refreshed every :data:`REFRESH_S`; etcd clamps a
 TTL to its minimum (about 1.5 times its election timeout: 1 s for the embedded etcd, 2 s for etcd's defaults) and checks
 expiry every 0.5 s. The workers watch these keys (``worker/hot/watch.py``): a member's node losing its key fails the
-step in flight at once and counts the member as dead for the next membership epoch.
+step in flight at once and counts the member as dead for the next membership epoch. The same lease holds the
+daemon's name in the rendezvous (``rdzv/alive/<name>``, :meth:`NodeLease.hold`), on both recovery paths: a re-forming
+round closes without a node whose key is gone instead of waiting ~3 s for its rendezvous heartbeat to expire
+(``rendezvous/quorum.py``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class NodeLease:
         self._node_id = node_id
         self._on_error = on_error
         self._lease: int | None = None
+        self._also: dict[str, str] = {}  # more keys on the same lease (hold())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -65,7 +69,15 @@ class NodeLease:
         client = self._current()
         lease = client.grant_lease(TTL_S)
         client.put(self._key, self._node_id, lease_id=lease)
+        for key, value in list(self._also.items()):
+            client.put(key, value, lease_id=lease)
         self._lease = lease
+
+    def hold(self, key: str, value: str) -> None:
+        """Keep ``key`` on this lease too: written now, and again with every new lease."""
+        self._also[key] = value
+        if self._lease is not None:
+            self._current().put(key, value, lease_id=self._lease)
 
     def _keepalive(self) -> None:
         while not self._stop.wait(REFRESH_S):

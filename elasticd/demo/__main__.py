@@ -25,7 +25,7 @@ from elasticd.demo.nodes import LocalNodes, NodePlan
 from elasticd.demo.story import Demo, DemoFailed
 from elasticd.demo.view import JsonView, LiveView
 from elasticd.endpoints import parse_endpoints
-from elasticd.errors import EXIT_GAVE_UP, EXIT_OK, ElasticdError
+from elasticd.errors import EXIT_GAVE_UP, EXIT_INTERRUPTED, EXIT_OK, ElasticdError
 from elasticd.etcd import local_runs
 from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
@@ -34,7 +34,6 @@ from elasticd.lineage import Lineage
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 STEPS_PER_EPOCH = 100  # examples/train.py's 4,800 samples at a global batch of 48
-EXIT_INTERRUPTED = 130
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from elasticd import envvars
 from elasticd.etcd.access import EtcdAccess
 
 
@@ -126,5 +127,5 @@ def _node_environment() -> dict[str, str]:
     """The demo's environment, with one compute thread per worker unless the user chose: all the nodes share this
     machine's cores, where each real node would have its own (elasticd would give a lone worker all of them)."""
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault(envvars.OMP_NUM_THREADS, "1")
     return env

@@ -286,6 +286,23 @@ _RENDEZVOUS = (
         ("elasticd.rendezvous.quorum",),
     ),
     Surface(
+        f"{_RDZV}._BackendRendezvousStateHolder._sanitize",
+        ("elasticd.rendezvous.lapsed",),
+        "extended on our holder only: after torch's heartbeat expiry, drop a late node whose liveness lease is gone"
+        " (run on every read of the state, as torch's is)",
+        every(callable_with(f"{_HOLDER}._sanitize", "self"), mentions(f"{_HOLDER}.sync", "self._sanitize()")),
+        Fallback.TORCH_TIMING,
+        Process.DAEMON,
+    ),
+    Surface(
+        f"{_RDZV}._remove_participant_epilogue",
+        ("elasticd.rendezvous.lapsed",),
+        "what torch does after removing a participant (the round advances once none is left), for a lapsed node",
+        callable_with(f"{_RDZV}:_remove_participant_epilogue", "state", "settings"),
+        Fallback.TORCH_TIMING,
+        Process.DAEMON,
+    ),
+    Surface(
         f"{_RDZV}._delay",
         ("elasticd.rendezvous.wakeup",),
         "replaced for the whole process: the 1 s wait of torch's executor (_DistributedRendezvousOpExecutor.run),"

@@ -34,11 +34,12 @@ from elasticd import envvars
 from elasticd import options as o
 from elasticd.endpoints import parse_endpoints
 from elasticd.errors import ConfigError
-from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys, validate_run_id
 from elasticd.logging import get_logger
 from elasticd.rendezvous import event_names, faults, wakeup
 from elasticd.rendezvous.backend import EtcdV3RendezvousBackend
+from elasticd.rendezvous.lapsed import LapsedNodes
 from elasticd.rendezvous.liveness import RoundView, RoundWatch
 from elasticd.rendezvous.quorum import CloseWhenEveryoneIsIn, ReformingExecutor, StateHandler
 from elasticd.rendezvous.store import EtcdV3Store
@@ -82,6 +83,8 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
     _closing: CloseWhenEveryoneIsIn | None = None
     closed_early: int = 0  # rounds this node saw closed without the last call
     _private_round: int | None = None  # the next rendezvous is this node alone, to join that round in place
+    _client: EtcdClient | None = None
+    _lapsed: LapsedNodes | None = None  # drops a node whose liveness lease is gone (use_liveness_lease)
 
     def reform_fast(self, client: EtcdClient, backend: EtcdV3RendezvousBackend) -> bool:
         """Rendezvous waits that end when the state changes (``wakeup.py``) and re-forming rounds that close as
@@ -91,6 +94,7 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
         if not isinstance(holder, _BackendRendezvousStateHolder) or not wakeup.install():
             get_logger().warning("rendezvous_polling", reason="; ".join(wakeup.surface_problems()) or "no holder")
             return False
+        self._client = client
         self.state_wakeup = wakeup.StateWakeup(
             client,
             backend.key,
@@ -98,10 +102,43 @@ class ElasticdRendezvousHandler(DynamicRendezvousHandler):
             holder,
             self._this_node,
             self._settings,
-            also_due=lambda: None if self._closing is None else self._closing.due_in(),
+            also_due=self._due_in,
         )
         self._op_executor = ReformingExecutor(self._op_executor, self._closing_early, self.state_wakeup.active)
         return True
+
+    def _due_in(self) -> float | None:
+        """The next time the rendezvous loop should look again that torch's state does not hold."""
+        due = [part.due_in() for part in (self._closing, self._lapsed) if part is not None]
+        return min((d for d in due if d is not None), default=None)
+
+    def use_liveness_lease(self, hold: Callable[[str, str], None]) -> None:
+        """Put this daemon's rendezvous name on its node's liveness lease (``hold(key, value)``), and drop a node
+        from the state once its lease is gone instead of when its heartbeat expires (``lapsed.py``). Every daemon of
+        the run does this; torchrun with this handler does not, and keeps torch's rule (as when torch's private
+        parts moved: :meth:`reform_fast` returned False)."""
+        client = self._client
+        holder = self._state_holder
+        if client is None or not isinstance(holder, _BackendRendezvousStateHolder):
+            return
+        keys = RunKeys(self._settings.run_id)
+        name = repr(self._this_node)  # torch's own name of a node: addr_pid_localid
+        hold(keys.rdzv_alive(name), name)
+        prefix = keys.rdzv_alive_prefix
+
+        def alive() -> frozenset[str] | None:
+            try:
+                return frozenset(key[len(prefix) :] for key, _value, _rev in client.get_prefix(prefix))
+            except EtcdError:
+                return None  # etcd busy: torch's heartbeat rule this time
+
+        self._lapsed = LapsedNodes(
+            holder,
+            self._settings,
+            self._this_node,
+            alive,
+            on_removed=lambda node: get_logger().info("rendezvous_node_lapsed", node=node),
+        )
 
     def _closing_early(self, join: StateHandler) -> StateHandler:
         # Only a node that has formed a round before: at a job's start, nodes still starting need the last call.

@@ -17,6 +17,8 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousParam
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
 
 from elasticd import envvars
+from elasticd.endpoints import parse_endpoints
+from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.rendezvous import handler as rdzv
 from elasticd.rendezvous.quorum import CLOSE_GRACE_S
@@ -27,6 +29,8 @@ LONG_LAST_CALL_S = 90  # longer than the joins may take: a round that waits it f
 # A node left out of every round gives up after this (torch raises RendezvousTimeoutError): the test fails instead
 # of hanging on a thread that never returns.
 JOIN_TIMEOUT_S = 40
+# keep-alive intervals (1 s) before torch drops a silent node: longer than JOIN_TIMEOUT_S
+HEARTBEAT_OUTLIVES_JOIN = 60
 
 
 def _all(fns: list[Callable[[], Any]]) -> list[Any]:
@@ -41,7 +45,7 @@ def make(etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch, request: pytest.Fi
     run_id = request.node.name[:40]
     made: list[rdzv.ElasticdRendezvousHandler] = []
 
-    def handler(max_nodes: int, last_call_s: float) -> rdzv.ElasticdRendezvousHandler:
+    def handler(max_nodes: int, last_call_s: float, **conf: Any) -> rdzv.ElasticdRendezvousHandler:
         params = RendezvousParameters(
             "etcd-v3",
             etcd.endpoint,
@@ -51,6 +55,7 @@ def make(etcd: EmbeddedEtcd, monkeypatch: pytest.MonkeyPatch, request: pytest.Fi
             local_addr="127.0.0.1",
             last_call_timeout=last_call_s,
             join_timeout=JOIN_TIMEOUT_S,
+            **conf,
         )
         made.append(rdzv.create_handler(params))
         return made[-1]
@@ -129,3 +134,31 @@ def test_the_first_round_of_a_job_waits_the_last_call_for_a_node_that_starts_lat
     infos = _all([early[0].next_rendezvous, early[1].next_rendezvous, join_late])
     _formed(infos, 3)
     assert sum(h.closed_early for h in [*early, late]) == 0
+
+
+def test_survivors_do_not_wait_for_a_killed_nodes_heartbeat_to_expire_once_its_lease_is_gone(
+    etcd: EmbeddedEtcd, make: Any
+) -> None:
+    # every node's rendezvous name on a lease of its own, as each daemon holds it on its node's liveness lease
+    client = EtcdClient.connect(parse_endpoints(etcd.endpoint))
+    leases: list[int] = []
+
+    def node() -> rdzv.ElasticdRendezvousHandler:
+        handler = make(3, LONG_LAST_CALL_S, keep_alive_max_attempt=HEARTBEAT_OUTLIVES_JOIN)
+        leases.append(client.grant_lease(5))
+        lease = leases[-1]
+        handler.use_liveness_lease(lambda key, value: client.put(key, value, lease_id=lease))
+        return handler
+
+    try:
+        nodes = [node() for _ in range(3)]
+        _formed(_all([h.next_rendezvous for h in nodes]), 3)
+        nodes[2]._stop_heartbeats()  # node 2 dies: no heartbeat from now on, and its lease ends with its daemon
+        client.revoke_lease(leases[2])
+        survivors = nodes[:2]
+        # its heartbeat would hold round 1 for 60 s, past the survivors' join timeout (40 s): they would give up
+        _formed(_all([h.next_rendezvous for h in survivors]), 2)
+        removed = set().union(*(h._lapsed.removed for h in survivors if h._lapsed is not None))
+        assert removed == {repr(nodes[2]._this_node)}
+    finally:
+        client.close()

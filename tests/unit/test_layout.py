@@ -48,7 +48,10 @@ LAYOUT_NAMES = {
     ".done",
 }
 # Literals equal to one of them that name something else there (each still occurs: see the stale check below).
-OTHER_MEANINGS = {("etcd/server.py", ".partial"): "the password file's temporary name, in etcd's own data dir"}
+OTHER_MEANINGS = {
+    ("etcd/server.py", ".partial"): "the password file's temporary name, in etcd's own data dir",
+    ("demo/story.py", "node-"): "the demo's node ids (node-1, node-2, ...), not a directory",
+}
 
 
 def test_the_layout_builds_the_paths_outside_tools_read() -> None:

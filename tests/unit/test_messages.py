@@ -42,6 +42,12 @@ OTHER_MEANINGS = {
     ("agent/policy.py", "fatal"): "a restart decision's reason",
     ("metrics.py", "batch_plan"): "a hot fallback reason (a metric label)",
     ("worker/hot/session.py", "batch_plan"): "a hot fallback reason",
+    ("demo/journal.py", "step"): "the training script's step lines (examples/train.py), and their field",
+    ("demo/story.py", "step"): "a field of the demo's moments",
+    ("demo/story.py", "reconfigured"): "the log event the demo reads",
+    ("demo/story.py", "checkpoint_committed"): "a moment the demo reports",
+    ("demo/story.py", "in_place"): "a field of the demo's summary",
+    ("demo/view.py", "in_place"): "a field of the demo's summary",
 }
 FIELD_NAMES = frozenset().union(*FIELDS.values())
 

@@ -1,5 +1,6 @@
-"""The two rules that speed up a re-forming round, decided on torch's rendezvous state alone (no etcd, no process):
-when a forming round may close without the last call (quorum.py), and when the next wait must end (wakeup.py)."""
+"""The rules that speed up a re-forming round, decided on torch's rendezvous state alone (no etcd, no process):
+when a forming round may close without the last call (quorum.py), when the next wait must end (wakeup.py), and when
+a member whose liveness lease is gone leaves the state before its heartbeat expires (lapsed.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     _RendezvousState,
 )
 
-from elasticd.rendezvous import wakeup
+from elasticd.rendezvous import lapsed, wakeup
+from elasticd.rendezvous.lapsed import LapsedNodes
 from elasticd.rendezvous.quorum import CloseWhenEveryoneIsIn, everyone_in
 
 NOW = datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC)
@@ -215,3 +217,81 @@ def test_torchs_private_rendezvous_parts_are_where_the_wakeup_expects_them() -> 
     that moved: re-read dynamic_rendezvous.py and adapt their users."""
     assert wakeup.surface_problems() == []
     assert wakeup.install()
+
+
+class _SanitizingHolder:
+    """The two things LapsedNodes uses of torch's holder: its state and its sanitizer (torch's: heartbeat expiry)."""
+
+    def __init__(self, state: _RendezvousState) -> None:
+        self.state = state
+        self.torch_sanitized = 0
+
+    def _sanitize(self) -> None:
+        self.torch_sanitized += 1
+
+
+def _lapsed(state: _RendezvousState, leases: set[str] | None) -> tuple[_SanitizingHolder, LapsedNodes, list[str]]:
+    holder = _SanitizingHolder(state)
+    told: list[str] = []
+    nodes = LapsedNodes(
+        holder,  # type: ignore[arg-type]  # a fake of torch's state holder
+        _settings(),
+        A,
+        lambda: None if leases is None else frozenset(leases),
+        on_removed=told.append,
+        now=lambda: NOW,
+    )
+    return holder, nodes, told
+
+
+def _complete_round(*participants: _NodeDesc, waiting: tuple[_NodeDesc, ...] = ()) -> _RendezvousState:
+    state = _forming(*participants, waiting=waiting)
+    state.complete, state.deadline = True, None
+    return state
+
+
+def test_a_killed_member_whose_lease_is_gone_leaves_the_state_and_the_next_round_begins() -> None:
+    # round 4 was B alone left (A and C restarted and wait for round 5); B was killed 1.3 s ago, its lease is gone
+    state = _complete_round(B, waiting=(A, C))
+    state.last_heartbeats[B] = NOW - timedelta(seconds=1.3)
+    holder, nodes, told = _lapsed(state, {repr(A), repr(C)})
+    holder._sanitize()
+    assert holder.torch_sanitized == 1  # torch's own rule still runs first
+    assert B not in state.participants and B not in state.last_heartbeats
+    assert (state.round, state.complete) == (5, False)  # torch's epilogue: no participant left, the next round
+    assert told == [repr(B)] and nodes.due_in() is None
+    holder._sanitize()  # the next read of a state that still holds B (nobody wrote yet) removes it again, quietly
+    assert told == [repr(B)]
+
+
+@pytest.mark.parametrize(
+    ("late_s", "leases", "why"),
+    [
+        (0.5, set(), "its heartbeat is not late: it beats every second"),
+        (1.3, {repr(B)}, "its lease holds: a live node that is only slow"),
+        (1.3, None, "the leases could not be read: torch's heartbeat rule decides"),
+    ],
+)
+def test_a_member_stays_in_the_state_when(late_s: float, leases: set[str] | None, why: str) -> None:
+    state = _complete_round(B, waiting=(A, C))
+    state.last_heartbeats[B] = NOW - timedelta(seconds=late_s)
+    holder, _, told = _lapsed(state, leases)
+    holder._sanitize()
+    assert B in state.participants and B in state.last_heartbeats and state.round == 4 and not told, why
+
+
+def test_while_a_heartbeat_is_late_the_loop_looks_again_soon() -> None:
+    state = _forming(A, B)
+    state.last_heartbeats[B] = NOW - timedelta(seconds=1.3)
+    _, nodes, _ = _lapsed(state, {repr(A), repr(B)})
+    assert nodes.due_in() == lapsed.POLL_S
+    state.last_heartbeats[B] = NOW
+    assert nodes.due_in() is None
+
+
+def test_a_lapsed_node_waiting_for_the_next_round_leaves_the_wait_list() -> None:
+    state = _complete_round(A, waiting=(B,))
+    state.last_heartbeats[B] = NOW - timedelta(seconds=2)
+    holder, _, told = _lapsed(state, {repr(A)})
+    holder._sanitize()
+    assert B not in state.wait_list and state.round == 4 and told == [repr(B)]  # A still trains in round 4
