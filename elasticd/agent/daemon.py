@@ -43,7 +43,7 @@ from elasticd.control import drain_requested
 from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EXIT_GAVE_UP, EXIT_OK
 from elasticd.etcd import local_runs
-from elasticd.etcd.client import EtcdClient
+from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.group_record import GroupToJoin, group_nodes
 from elasticd.keys import RunKeys
@@ -146,8 +146,10 @@ def run_daemon(cfg: StartConfig) -> int:
         board_dir = runtime.board
         _export_worker_env(cfg, runtime, run_layout, log)
         worker_starts: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+        warm: warm_start.WarmStarts | None = None
         if warm_start.enabled():  # started with the first workers, in the workers' environment (exported above)
-            worker_starts = warm_start.WarmStarts(cfg.script, log).handlers
+            warm = warm_start.WarmStarts(cfg.script, log)
+            worker_starts = warm.handlers
 
         handler = create_handler(rendezvous_parameters(cfg))
         handler.use_liveness_lease(lease.hold)
@@ -226,8 +228,37 @@ def run_daemon(cfg: StartConfig) -> int:
             metrics_port=cfg.metrics_port,
             hang_timeout_s=cfg.hang_timeout_s or "auto",
         )
+        _warm_before_joining(warm, lambda: read_nodes(client, keys), cfg.node_id, log)
         return _run_agent(agent, handler)
     return EXIT_GAVE_UP  # pragma: no cover - the with-block always returns
+
+
+def _warm_before_joining(
+    warm: warm_start.WarmStarts | None, peers: Callable[[], list[dict[str, Any]]], node_id: str, log: Any
+) -> None:
+    """A node that comes while others train imports first, then enters the rendezvous.
+
+    Its arrival in the rendezvous stops the running workers (a cold join restarts them all, from a checkpoint taken
+    for it), and the new round trains only once this node's workers have imported torch and accelerate: on a busy
+    host that import was most of the running group's pause (measured: 3.6 s of a 6.3 s cold join). So the warm
+    server starts now and is waited for (at most its ready timeout) while the others go on training. At a job's
+    start no peer is running yet, and every node keeps the usual order (see :meth:`WarmStarts.start` for why)."""
+    if warm is None:
+        return
+    from elasticd.agent.controller import NodeState
+
+    try:
+        running = [p for p in peers() if p.get("node_id") != node_id and p.get("state") == NodeState.RUNNING]
+    except EtcdError:
+        return  # etcd busy: the usual order
+    if not running:
+        return
+    begun = time.monotonic()
+    warm.start()
+    usable = warm.wait_ready()
+    log.info(
+        "warm_before_joining", running_nodes=len(running), waited_s=round(time.monotonic() - begun, 3), usable=usable
+    )
 
 
 def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:

@@ -120,7 +120,9 @@ class WarmStarts:
     def start(self) -> None:
         """Start the server and its imports in the background (idempotent). The daemon calls it with its first
         worker start, not before: on a host that several nodes share (the suite's, 2 cores), preloads competing
-        with the daemons' own start stretched a rendezvous to 34 s and split the first round (measured)."""
+        with the daemons' own start stretched a rendezvous to 34 s and split the first round (measured). Except a
+        node that comes while others train: it starts the server and waits for it before it enters the rendezvous
+        (``agent/daemon.py``'s ``_warm_before_joining``), so the running group does not stand still for its imports."""
         with self._lock:
             if self._begun:
                 return

@@ -8,7 +8,9 @@ was left running.
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,8 +141,20 @@ def test_node_joining_while_training_grows_the_group_cold(etcd: EmbeddedEtcd, tm
             restarts = c.nodes[name].events("restart")
             assert restarts and restarts[0]["reason"] == "membership"
         c.wait_step(lambda s: s["world_size"] == 3, what="a step on 3 workers")
+        # the joiner imported torch in its warm server before it entered the rendezvous, so the others trained on
+        # meanwhile instead of standing still for its imports (agent/daemon.py's _warm_before_joining)
+        joiner = c.nodes["j-c"]
+        warmed = joiner.wait_event("warm_before_joining")
+        assert warmed["running_nodes"] == 2 and warmed["usable"], warmed
+        ready = _stamp(joiner.events("warm_start_ready")[0])
+        assert ready <= _stamp(joiner.events("rendezvous_done")[0])
+        assert all(_stamp(c.nodes[n].events("restart")[0]) >= ready for n in ("j-a", "j-b"))
         finish(c, ["j-a", "j-b", "j-c"])
         assert c.newest_step()["world_size"] == 3
+
+
+def _stamp(event: dict[str, Any]) -> datetime:
+    return datetime.fromisoformat(str(event["timestamp"]))
 
 
 def current_rank(node: Node) -> int:
