@@ -58,7 +58,7 @@ class RunKeys:
     def rdzv_alive(self, name: str) -> str:
         """A daemon's rendezvous name (torch's node descriptor, ``addr_pid_localid``) on its node's liveness lease
         (agent/node_lease.py): gone about a second after the daemon, so a re-forming round need not wait for its
-        heartbeat in the rendezvous state to expire (rendezvous/quorum.py)."""
+        heartbeat in the rendezvous state to expire (rendezvous/lapsed.py)."""
         return f"{self.rdzv_alive_prefix}{name}"
 
     @property

@@ -7,8 +7,8 @@ TTL to its minimum (about 1.5 times its election timeout: 1 s for the embedded e
 expiry every 0.5 s. The workers watch these keys (``worker/hot/watch.py``): a member's node losing its key fails the
 step in flight at once and counts the member as dead for the next membership epoch. The same lease holds the
 daemon's name in the rendezvous (``rdzv/alive/<name>``, :meth:`NodeLease.hold`), on both recovery paths: a re-forming
-round closes without a node whose key is gone instead of waiting ~3 s for its rendezvous heartbeat to expire
-(``rendezvous/quorum.py``).
+round does not wait for a node whose key is gone until its rendezvous heartbeat expires (~3 s later)
+(``rendezvous/lapsed.py``).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ class Demo:
         for record in sorted(records, key=lambda r: r.step):
             if record.token == ADOPTED:
                 continue  # found on disk by a new lineage (a run started again), not committed by this one
-            if record.step not in self.committed and (not self.committed or record.step > self.committed[-1]):
+            if not self.committed or record.step > self.committed[-1]:
                 self.committed.append(record.step)
                 self.note("checkpoint_committed", f"checkpoint committed at step {record.step}", step=record.step)
 
