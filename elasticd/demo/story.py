@@ -8,6 +8,7 @@ which and where the nodes' logs are, and fails (exit 1).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -113,8 +114,12 @@ class Demo:
                            f"a step at world size {world_size} after {node} {kind.split('_')[1]}")  # fmt: skip
         assert first is not None
         figures = change_figures(self.journal.steps, at, first)
-        in_place = any(self._after(e, at) for _, e in self.journal.named("reconfigured"))
-        restarted = any(self._after(e, at) for _, e in self.journal.named("restart"))
+        # judged on the nodes that trained through the change: a joiner's own daemon may restart its workers while
+        # it comes in, and that is no restart of the running job
+        survivors = [n.name for n in self.nodes.nodes.values() if n.name != node and not n.killed]
+        # a daemon logs ``reconfigured`` when it reads its workers' beat, which may be after their first step
+        in_place = any(self._within(e, at, math.inf) for _, e in self.journal.named("reconfigured", survivors))
+        restarted = any(self._within(e, at, first.t) for _, e in self.journal.named("restart", survivors))
         kept = in_place and not restarted
         before = world_size + (1 if kind == "node_lost" else -1)
         if kind == "node_lost":
@@ -183,11 +188,11 @@ class Demo:
         last = self.journal.last
         return None if last is None else last.step
 
-    def _after(self, event: dict[str, Any], at: float) -> bool:
+    def _within(self, event: dict[str, Any], since: float, until: float) -> bool:
         stamp = event.get("timestamp")
         if not isinstance(stamp, str):
             return False
-        return datetime.fromisoformat(stamp).timestamp() > at
+        return since < datetime.fromisoformat(stamp).timestamp() <= until
 
     def _time_to_finish(self) -> float:
         rate = self.steps_per_s()

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,20 @@ def test_the_demo_loses_a_node_gains_one_and_reports_what_the_job_did(tmp_path: 
     assert summary["event"] == "summary" and summary["last_step"] == summary["total_steps"] == 400
     lost, joined = summary["changes"]
     assert (lost["change"], lost["world_size"], lost["in_place"]) == ("node_lost", [3, 2], True)
-    assert (joined["change"], joined["world_size"], joined["in_place"]) == ("node_joined", [2, 3], True)
+    assert (joined["change"], joined["world_size"]) == ("node_joined", [2, 3])
+    # a join under load may fall back to a restart (its admission can time out); what the demo says must be what the
+    # running nodes' daemons logged, whichever it was
+    first_joined = min(
+        r["t"] for n in NODES for r in read_json_lines(logs / f"{n}.out")
+        if r.get("event") == "step" and r["t"] > joined["at"] and r["world_size"] == 3
+    )  # fmt: skip
+    events = [
+        (e["event"], datetime.fromisoformat(e["timestamp"]).timestamp())
+        for n in ("node-1", "node-3") for e in read_json_lines(logs / f"{n}.err") if "timestamp" in e
+    ]  # fmt: skip
+    reconfigured = any(name == "reconfigured" and t > joined["at"] for name, t in events)
+    restarted = any(name == "restart" and joined["at"] < t <= first_joined for name, t in events)
+    assert joined["in_place"] == (reconfigured and not restarted), events
     assert summary["exit_codes"] == {"node-1": 0, "node-2": "killed", "node-3": 0, "node-4": 0}
 
     # the figures are the job's own: recomputed here from the nodes' step lines
