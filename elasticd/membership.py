@@ -118,6 +118,24 @@ class Membership:
         found = self._client.get(self._keys.membership_epoch)
         return None if found is None else (Epoch.decode(found[0]), found[1])
 
+    def admitted_nodes(self, round_: int, epoch: int) -> list[str]:
+        """The nodes of the epoch in force when it is newer than ``epoch`` and of round ``round_`` (its token names
+        the round): a join being admitted, decided in etcd before its first step tells any daemon. Each member's
+        node comes from its liveness record (``membership_member``); a member without one is left out."""
+        found = self.current()
+        if found is None:
+            return []
+        current = found[0]
+        if current.number <= epoch or current.token.split(".", 1)[0] != str(round_):
+            return []
+        nodes = []
+        for member in current.members:
+            record = self._client.get(self._keys.membership_member(member))
+            node = json.loads(record[0]).get("node") if record is not None else None
+            if isinstance(node, str) and node not in nodes:
+                nodes.append(node)
+        return nodes
+
     def bid(self, epoch: int, bid: Bid) -> None:
         """Ask to be in ``epoch`` (rewritten, never deleted, if asked again)."""
         self._client.put(self._keys.membership_bid(epoch, bid.member), bid.encode())

@@ -92,11 +92,11 @@ class NodeHangs:
             return None  # no workers here: the training nodes diagnose their hang without this node
         round_ = self._round
         in_place = round_.regrouped_in_place
-        members = round_.members
+        # in place, the group's nodes as its last epoch named them; otherwise the round's that train
+        members = round_.members if in_place else self._sizing.training_members(round_.members)
         return self._hangs.handle(
             round_=round_.round or 0,
-            # in place, the group's nodes as its last epoch named them; otherwise the round's that train
-            members=members if in_place else self._sizing.training_members(members),
+            members=[*members, *(n for n in self._being_admitted(round_.round or 0, round_.epoch) if n not in members)],
             pids=self._workers.pids(),
             ranks={w.local_rank: round_.rank_of(w.local_rank, w.global_rank) for w in self._workers.workers},
             can_dump=self._reports.can_dump_stacks(),
@@ -105,6 +105,16 @@ class NodeHangs:
             epoch=round_.epoch,
             in_place=in_place,
         )
+
+    def _being_admitted(self, round_: int, epoch: int) -> list[str]:
+        """Nodes of an epoch decided after the one the workers last reported (a join being admitted in place): a
+        hang now may be theirs, so they are members of its diagnosis (their reachability included), not outsiders
+        whose silence convicts a healthy member."""
+        membership = self._membership
+        if membership is None:
+            return []
+        nothing: list[str] = []  # etcd away: the members the workers reported, as before
+        return self._poll(lambda: membership.admitted_nodes(round_, epoch), nothing)
 
     def leave_to_culprits(self, hang: HangReport) -> None:
         if self._hangs is not None:

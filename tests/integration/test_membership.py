@@ -3,6 +3,7 @@ moves the checkpoint fence, so a member left out can neither be in the epoch nor
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -182,3 +183,19 @@ def test_a_leaving_member_is_accounted_for_but_not_in_the_next_epoch(etcd_client
     decided = m.try_decide(2, (A, B, C), lambda _: False, min_members=2, round_=1, reason="leave")
     assert decided is not None and decided.members == (A, C) and decided.reason == "leave"
     assert Bid.decode(Bid(B, 1, 12, leaving=True).encode()).leaving
+
+
+def test_the_nodes_of_a_join_decided_after_the_workers_last_epoch_are_named_for_a_hang(
+    etcd_client: EtcdClient,
+) -> None:
+    # a hang while a join is admitted must be diagnosed with the joiner in it (agent/node_hangs.py): the daemons still
+    # hold the epoch their workers last reported, the decided one names the joiner
+    m = Membership(etcd_client, KEYS)
+    first = _first_epoch(m)  # round 1, epoch 1: members A, B, C
+    for member, node in ((A, "host-a"), (B, "host-b"), (C, "host-c")):
+        etcd_client.put(KEYS.membership_member(member), json.dumps({"node": node, "addr": "127.0.0.1:1"}))
+    assert m.admitted_nodes(round_=1, epoch=0) == ["host-a", "host-b", "host-c"]
+    assert m.admitted_nodes(round_=1, epoch=first.number) == []  # nothing newer than what the workers reported
+    assert m.admitted_nodes(round_=2, epoch=0) == []  # an epoch of another round's group says nothing of this one
+    etcd_client.delete(KEYS.membership_member(C))
+    assert m.admitted_nodes(round_=1, epoch=0) == ["host-a", "host-b"]  # a member without a record is left out
