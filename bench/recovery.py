@@ -80,6 +80,15 @@ acceptance, in one run (~30-40 min)::
 
 Its results file is tagged ``-sharded``.
 
+``--job plain`` runs ``join`` and ``node_loss`` on an unchanged accelerate script (``PLAIN``: examples/plain_train.py,
+the 7 kB job's model and pace, no worker library, its own ``save_state`` every 10 steps); ``--job trainer`` on a
+Hugging Face Trainer script (``TRAINER``: examples/trainer_text_classification.py through ``elasticd.Trainer``).
+elasticd recovers both cold, whatever ``--recovery`` says: their workers never offer to re-form in place. The rows
+are judged on issue 27's targets (node loss <= 4 s and join <= 5 s, each >= 2.5x tuned torchrun; set for the plain
+script). Its results file is tagged ``-plain`` or ``-trainer``::
+
+    python bench/recovery.py --job plain --only elasticd torchrun torchrun-tuned --trials 3
+
 The raw results (commit, machine, versions, every sample, the summary) go to ``bench/results/recovery-<short
 commit>[-netns].json`` unless ``--json`` says otherwise (``-dirty`` is appended when ``elasticd/`` or ``examples/``
 differed from the commit).
@@ -139,7 +148,7 @@ from bench.hosts import NETNS_NETWORK, Loopback, Namespaces, Placement
 from bench.recovery_sharded import SHARD_MIRROR_EVERY, in_place_report, restarted
 from bench.recovery_sharded import notes as in_place_notes
 from bench.recovery_sharded import verdict as sharded_verdict
-from bench.workloads import LARGE, SCRIPT_NAME, SHARDED, SHARDED_LARGE, SMALL, Workload
+from bench.workloads import LARGE, PLAIN, SCRIPT_NAME, SHARDED, SHARDED_LARGE, SMALL, TRAINER, Workload
 from elasticd.etcd.server import EmbeddedEtcd
 from elasticd.options import MAX_RESTARTS as MAX_RESTARTS_OPTION
 from elasticd.rendezvous.handler import KEEP_ALIVE_INTERVAL_S, KEEP_ALIVE_MAX_ATTEMPT, LAST_CALL_TIMEOUT_S
@@ -177,6 +186,9 @@ TARGET_HANG_S = 1.5  # issue 11: a hung worker (--hang-timeout auto) -> first st
 # (``beyond_step``) and is >= 10x tuned torchrun by that figure; a join pauses the group <= 1.0 s in total and the
 # joiner steps <= 1.5 s after it is ready.
 TARGET_LARGE_BEYOND_STEP_S, TARGET_LARGE_JOIN_S, TARGET_LARGE_READY_S = 0.5, 1.0, 1.5
+# Issue 27, an unchanged accelerate script (--job plain, cold): node loss and a join's first step, and the factor over
+# tuned torchrun.
+TARGET_PLAIN_NODE_LOSS_S, TARGET_PLAIN_JOIN_S, TARGET_PLAIN_RATIO = 4.0, 5.0, 2.5
 # Steps at the new size after the first one whose median interval is "one step" there (``beyond_step``).
 INTERVAL_STEPS = 3
 
@@ -966,7 +978,7 @@ def start_job(
     node is dead before etcd stops, so no daemon sees etcd go, and before the network goes."""
     placement = _placement(stack) if netns else Loopback()
     launcher = Launcher(trial_dir, tag=run_id, env={"PYTHONPATH": str(code)})
-    script = code / "examples" / SCRIPT_NAME
+    script = code / "examples" / workload.script
     checkpoints = trial_dir / "checkpoints"
     job: Job
     if system in ("elasticd", "elasticd-cold"):
@@ -1021,6 +1033,7 @@ def run_system_trial(
     scenarios: Sequence[Scenario] | None = None,
     netns: bool = False,
     sharded: bool = False,
+    job: Workload | None = None,
 ) -> list[Sample]:
     """One trial of one system: per workload its scenarios need, a job with its own etcd (elasticd) or port
     (torchrun), run id and checkpoint dir (``netns``: and network). ``sharded``: the 7 kB job's scenarios run on
@@ -1033,7 +1046,7 @@ def run_system_trial(
         if mine := [sc for sc in chosen if sc.workload is workload and (sc in _ETCD_CLUSTER) == (members == 3)]:
             suffix = ("" if workload is SMALL else f"-{workload.name}") + ("-etcd3" if members == 3 else "")
             trial_dir = workdir / f"{system}-{trial}{suffix}"
-            trained = sharded_workload(workload) if sharded else workload
+            trained = sharded_workload(workload) if sharded else job if job and workload is SMALL else workload
             samples += _run_job(system, trial, trial_dir, code, trained, mine, netns=netns, etcd_members=members)
     return samples
 
@@ -1088,7 +1101,7 @@ def fmt_s(value: float | None) -> str:
     return f"> {RECOVERY_TIMEOUT_S:g}" if math.isinf(value) else f"{value:.1f}"
 
 
-def summarize(samples: Sequence[Sample], sharded: bool = False) -> list[dict[str, Any]]:
+def summarize(samples: Sequence[Sample], sharded: bool = False, plain: bool = False) -> list[dict[str, Any]]:
     """One row per scenario: each system's median and samples, ratio torchrun/elasticd, target verdict (``sharded``:
     issue 26's on the join and node loss rows, none on the others)."""
     rows = []
@@ -1127,6 +1140,8 @@ def summarize(samples: Sequence[Sample], sharded: bool = False) -> list[dict[str
             base = scenario.base if scenario.base in (Scenario.JOIN, Scenario.NODE_LOSS) else None
             cold_ratio = row["ratio_cold_over_elasticd"]
             row["target"] = sharded_verdict(base is Scenario.JOIN, row.get("elasticd"), cold_ratio) if base else ""
+        elif plain:
+            row["target"] = plain_verdict(scenario, e, row["ratio_tuned_over_elasticd"])
         elif scenario.workload is SMALL:
             row["target"] = verdict(scenario, e, row["ratio_tuned_over_elasticd"], cold, phases)
         else:
@@ -1157,6 +1172,18 @@ _PHASE_ORDER = [
     "stall_total",
     "ready_to_step",
 ]
+
+
+def plain_verdict(scenario: Scenario, elasticd_s: float | None, tuned_ratio: float | None) -> str:
+    """Issue 27's targets for an unchanged accelerate script (cold): node loss <= 4 s, a join's first step <= 5 s
+    after the spawn, each >= 2.5x tuned torchrun."""
+    target = {Scenario.NODE_LOSS: TARGET_PLAIN_NODE_LOSS_S, Scenario.JOIN: TARGET_PLAIN_JOIN_S}.get(scenario)
+    if elasticd_s is None or target is None:
+        return ""
+    parts = [f"<= {target:g} s: " + ("met" if elasticd_s <= target else "MISSED")]
+    if tuned_ratio is not None:
+        parts.append(f">= {TARGET_PLAIN_RATIO:g}x tuned: " + ("met" if tuned_ratio >= TARGET_PLAIN_RATIO else "MISSED"))
+    return "; ".join(parts)
 
 
 def verdict(
@@ -1310,6 +1337,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "join and node_loss (join_large and node_loss_large when asked for, elasticd-cold too); issue 26's targets; "
         "the results file is tagged -sharded",
     )
+    p.add_argument(
+        "--job",
+        choices=sorted(JOBS),
+        help="the job is an unchanged accelerate script (plain: examples/plain_train.py) or a Hugging Face Trainer"
+        " script (trainer: examples/trainer_text_classification.py), recovered cold by elasticd; scenarios join and"
+        " node_loss; issue 27's targets; the results file is tagged with the job's name",
+    )
     args = p.parse_args(argv)
     if args.trials < 1:
         p.error("--trials must be at least 1")
@@ -1331,7 +1365,8 @@ def netns_unavailable() -> str | None:
     return unavailable()
 
 
-_WORKLOADS = (SMALL, LARGE, SHARDED, SHARDED_LARGE)
+_WORKLOADS = (SMALL, LARGE, SHARDED, SHARDED_LARGE)  # examples/train.py's (preflight checks their flags)
+JOBS = {w.name: w for w in (PLAIN, TRAINER)}  # --job: other scripts' jobs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1341,7 +1376,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _etcd_profile = args.etcd_profile
     systems = [sy for sy in SYSTEMS if sy in args.only] if args.only else list(SYSTEMS)
     scenarios = [Scenario(sc) for sc in args.scenarios] if args.scenarios else None
-    if args.sharded:
+    job = JOBS[args.job] if args.job else None
+    if args.sharded or job:
         scenarios = scenarios or [Scenario.JOIN, Scenario.NODE_LOSS]
     workdir = args.logs or Path(tempfile.mkdtemp(prefix="elasticd-bench-recovery-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -1361,17 +1397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for trial in range(1, args.trials + 1):
             for system in systems:
                 samples += run_system_trial(
-                    system, trial, workdir, code, scenarios, netns=args.netns, sharded=args.sharded
+                    system, trial, workdir, code, scenarios, netns=args.netns, sharded=args.sharded, job=job
                 )
     except KeyboardInterrupt:
         print(f"interrupted; node logs: {workdir}", file=sys.stderr)
         return 130
-    rows = summarize(samples, sharded=args.sharded)
-    trained = (SHARDED, SHARDED_LARGE) if args.sharded else (SMALL, LARGE)  # the jobs this run's rows can be of
+    rows = summarize(samples, sharded=args.sharded, plain=job is not None)
+    # the jobs this run's rows can be of
+    trained = (SHARDED, SHARDED_LARGE) if args.sharded else (job,) if job else (SMALL, LARGE)
     print(render(rows))
     failed = any(s.seconds is None for s in samples)
     tag = ("netns" if args.netns else "") + ("etcddefaults" if args.etcd_profile == "default" else "")
     tag += "sharded" if args.sharded else ""
+    tag += job.name if job else ""
     out = args.json or results_path("recovery", revision, tag=tag)
     report = {
         **report_header("recovery.py", argv, revision),
@@ -1380,7 +1418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             **({"network": NETNS_NETWORK} if args.netns else {}),
             "script_args": list(SCRIPT_ARGS),
             "workloads": {
-                w.name: {"script_args": list(w.script_args), "parameters": w.parameters, "state_bytes": w.state_bytes}
+                w.name: {
+                    "script": f"examples/{w.script}",
+                    "script_args": list(w.script_args),
+                    "parameters": w.parameters,
+                    "state_bytes": w.state_bytes,
+                }
                 for w in trained
             },
             # in place: elasticd recovers the sharded job from shard mirrors every K steps (before: cold restarts)

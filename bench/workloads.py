@@ -24,6 +24,7 @@ class Workload:
     timeout_scale: float = 1.0
     # what every node's environment adds (the sharded job: accelerate's FSDP2 variables, as its config gives them)
     env: tuple[tuple[str, str], ...] = ()
+    script: str = SCRIPT_NAME  # the file under examples/ every system runs
 
     @property
     def state_bytes(self) -> int:
@@ -73,4 +74,24 @@ SHARDED_LARGE = Workload(
     steady_steps=LARGE.steady_steps,
     timeout_scale=LARGE.timeout_scale,
     env=FSDP2_ENV,
+)
+# bench/recovery.py --job plain: the 7 kB job's model and pace as an unchanged accelerate script trains it
+# (examples/plain_train.py: no worker library, so elasticd recovers it cold; its own save_state every 10 steps)
+PLAIN = Workload(
+    "plain",
+    ("--sleep", "0.05", "--epochs", "1000", "--checkpoint-every", "10"),
+    mlp_parameters(32, 1),
+    steady_steps=10,
+    script="plain_train.py",
+)
+# bench/recovery.py --job trainer: a Hugging Face Trainer script (examples/trainer_text_classification.py: the tiny
+# BERT-style classifier of examples/text_classification.py, 75,458 parameters, global batch 48, elasticd.Trainer's
+# lineage commits every 10 steps); elasticd recovers it cold.
+TRAINER = Workload(
+    "trainer",
+    ("--sleep", "0.05", "--epochs", "1000", "--save-steps", "10"),
+    75_458,
+    steady_steps=10,
+    timeout_scale=1.5,
+    script="trainer_text_classification.py",
 )

@@ -88,7 +88,8 @@ def main() -> None:
             step += 1
             time.sleep(args.sleep)
             if accelerator.is_main_process:
-                line = {"event": "step", "epoch": epoch, "step": step, "loss": round(loss.item(), 6), "t": time.time()}
+                line = {"event": "step", "epoch": epoch, "step": step, "loss": round(loss.item(), 6), "t": time.time(),
+                        "world_size": accelerator.num_processes, "pid": os.getpid()}  # fmt: skip
                 print(json.dumps(line), flush=True)
             if step % args.checkpoint_every == 0:
                 accelerator.save_state(args.checkpoint_dir)

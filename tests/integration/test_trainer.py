@@ -1,5 +1,5 @@
 """examples/trainer_text_classification.py (``transformers.Trainer`` with ``from elasticd import Trainer``) under
-real daemons in bf16: three nodes, one killed (kill -9), one joining. The run must train every sentence of every
+real daemons: three nodes, one killed (kill -9), one joining. The run must train every sentence of every
 epoch once at a constant global batch, follow the LR schedule and end at the weights of an undisturbed run (plain
 ``python``, one process: the same micro-batches at any world size); a checkpoint torn mid-write is never resumed."""
 
@@ -26,11 +26,11 @@ EXAMPLE = ROOT / "examples" / "trainer_text_classification.py"
 DATASET, GLOBAL_BATCH, EPOCHS = 960, 48, 4
 STEPS = EPOCHS * DATASET // GLOBAL_BATCH  # 80
 # Every world size trains the same micro-batches with the same RNG, so only the order of the gradient sums differs
-# (locally over the accumulation, then across ranks): ~1e-9 after a step. In fp32 that stays within 1e-5 over the
-# run; under bf16 autocast each fp32 weight is rounded to bf16 for the forward, and a last-bit difference that moves
-# one rounding moves the weight by 2**-8: two undisturbed runs of this job at 1 and at 3 processes end 7.7e-4 apart
-# (torchrun, measured here). The bf16 run is held to a few times that.
-BF16_TOLERANCE = 5e-3
+# (locally over the accumulation, then across ranks): ~1e-9 after a step, and in fp32 within 1e-5 over the run. The
+# elastic run is fp32 for that reason: under bf16 autocast each fp32 weight is rounded to bf16 for the forward, and a
+# last-bit difference that moves one rounding moves the weight by 2**-8. Two undisturbed bf16 runs of this job at 1
+# and at 3 processes end 7.7e-4 apart (torchrun, measured here; this elastic run in bf16: 7.6e-4). bf16 under
+# elasticd.Trainer is the torn-checkpoint test's configuration.
 
 
 def _args(tmp_path: Path, name: str, sleep: float) -> tuple[str, ...]:
@@ -65,13 +65,12 @@ def _json(line: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-@pytest.mark.parametrize(("precision", "tolerance"), [("bf16", BF16_TOLERANCE), ("no", 1e-5)])
 def test_a_trainer_script_trains_through_a_node_loss_and_a_join_as_if_undisturbed(
-    etcd: EmbeddedEtcd, tmp_path: Path, precision: str, tolerance: float
+    etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
-    reference_lr, reference = _undisturbed(tmp_path, precision)
+    reference_lr, reference = _undisturbed(tmp_path, "no")
     config = tmp_path / "accelerate.yaml"
-    config.write_text(WIZARD_CPU_BF16.replace("mixed_precision: bf16", f"mixed_precision: '{precision}'"))
+    config.write_text(WIZARD_CPU_BF16.replace("mixed_precision: bf16", "mixed_precision: 'no'"))
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -79,7 +78,7 @@ def test_a_trainer_script_trains_through_a_node_loss_and_a_join_as_if_undisturbe
         min_nodes=2,
         max_nodes=3,
         script=EXAMPLE,
-        script_args=_args(tmp_path, "elastic", 0.3),
+        script_args=_args(tmp_path, "elastic", 0.25),
         extra=("--accelerate-config", str(config)),
     ) as c:
         for name in ("tr-a", "tr-b", "tr-c"):
@@ -115,15 +114,15 @@ def test_a_trainer_script_trains_through_a_node_loss_and_a_join_as_if_undisturbe
         joined = min((s for s in steps if s["world_size"] == 3 and s["t"] > at_two["t"]), key=lambda s: s["t"])
         assert joined["step"] == saved[-1]["step"] + 1, (joined, saved)
         started = [e for n in c.nodes.values() for e in n.events("trainer_started")]
-        assert {(e["recovery"], e["mixed_precision"]) for e in started} == {("cold", precision)}
+        assert {(e["recovery"], e["mixed_precision"]) for e in started} == {("cold", "no")}
         assert max(e["step"] for e in started) > 0, "no start resumed from a commit"
 
         weights = torch.load(tmp_path / "elastic.pt")
         assert weights.keys() == reference.keys()
         diff = torch.stack([((weights[k] - reference[k]) ** 2).sum() for k in weights]).sum().sqrt()
         norm = torch.stack([(reference[k] ** 2).sum() for k in reference]).sum().sqrt()
-        print(f"{precision}: final weights {float(diff / norm):.2e} relative from the undisturbed run's")
-        assert float(diff / norm) <= tolerance, float(diff / norm)
+        print(f"final weights {float(diff / norm):.2e} relative from the undisturbed run's")
+        assert float(diff / norm) <= 1e-5, float(diff / norm)
         committed = sorted(p.name for p in (c.checkpoint_dir / "trainer").glob("step-*"))
         assert committed[-1] == f"step-{STEPS:012d}"
         assert (c.checkpoint_dir / "trainer" / committed[-1] / f"checkpoint-{STEPS}" / "trainer_state.json").is_file()
@@ -140,6 +139,8 @@ def test_a_trainer_checkpoint_torn_mid_write_is_never_resumed_from(etcd: Embedde
         "--epochs", "3", "--dataset-size", "480", "--save-steps", "10", "--output-dir", str(output),
         "--record-ids", str(tmp_path / "torn-ids.jsonl"),
     )  # fmt: skip
+    config = tmp_path / "accelerate.yaml"
+    config.write_text(WIZARD_CPU_BF16)
     with Cluster(
         etcd.endpoint,
         tmp_path,
@@ -147,12 +148,14 @@ def test_a_trainer_checkpoint_torn_mid_write_is_never_resumed_from(etcd: Embedde
         nproc_per_node=2,
         script=EXAMPLE,
         script_args=args,
+        extra=("--accelerate-config", str(config)),
         env={"ELASTICD_FAULT": "kill@checkpoint=20,rank=0,round=0"},
     ) as c:
         node = c.start("torn-a")
         assert node.wait(300) == 0, node.tail()
-        started = [e["step"] for e in node.events("trainer_started")]
-        assert started == [0, 10], started  # round 1 resumed from the last commit, not from 20 or 25
+        started = node.events("trainer_started")
+        # round 1 resumed from the last commit, not from 20 or 25; in bf16 from accelerate's config, said at start
+        assert [(e["step"], e["mixed_precision"]) for e in started] == [(0, "bf16"), (10, "bf16")], started
         failed = node.events("worker_failed")
         assert failed and failed[0].get("signal") in ("SIGKILL", 9), failed
         records = sorted(p.name for p in (c.checkpoint_dir / "torn").iterdir())
