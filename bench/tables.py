@@ -126,6 +126,8 @@ def recovery_table(results: dict[str, Any]) -> str:
     # a sharded job recovered in place (shard mirrors), judged on issue 26's targets; before, cold restarts only
     sharded = config.get("sharded")
     in_place = bool(sharded and sharded.get("in_place"))
+    # another script's job (bench/recovery.py --job): judged on issue 27's targets, as the file judged them
+    script_job = bool(set(config.get("workloads") or {}) & {"plain", "trainer"})
     # elasticd's cold restart over its hot path: a column of its own where the file has it (files since issue 26)
     cold = any(row.get("ratio_cold_over_elasticd") is not None for row in results["summary"])
     scenarios = [row["scenario"] for row in results["summary"]]
@@ -161,7 +163,7 @@ def recovery_table(results: dict[str, Any]) -> str:
                 cells.append(f"**{_seconds(data['median_s'])}** ({samples})")
             else:
                 cells.append("n/a")
-        if in_place:  # issue 26's targets, as the file judged them
+        if in_place or script_job:  # issue 26's or 27's targets, as the file judged them
             target = str(row.get("target", ""))
         elif sharded:  # before shard mirrors a sharded job restarted cold in every system: no target applied
             target = "n/a (sharded: cold restarts)"
