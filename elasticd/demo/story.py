@@ -26,6 +26,8 @@ POLL_S = 0.2
 LINEAGE_EVERY_S = 1.0
 FIRST_STEP_TIMEOUT_S = 180.0  # a cold 2-core box imports torch N times at once
 CHANGE_TIMEOUT_S = 180.0
+# After a change's first step, how long the daemons may take to log how they made it (s): a beat interval and more
+SETTLE_S = 5.0
 JOIN_AFTER_STEPS = 20  # the joiner starts this many steps after the recovery
 
 
@@ -117,10 +119,17 @@ class Demo:
         # judged on the nodes that trained through the change: a joiner's own daemon may restart its workers while
         # it comes in, and that is no restart of the running job
         survivors = [n.name for n in self.nodes.nodes.values() if n.name != node and not n.killed]
-        # a daemon logs ``reconfigured`` when it reads its workers' beat, which may be after their first step
-        in_place = any(self._within(e, at, math.inf) for _, e in self.journal.named("reconfigured", survivors))
-        restarted = any(self._within(e, at, first.t) for _, e in self.journal.named("restart", survivors))
-        kept = in_place and not restarted
+
+        def seen(event: str, until: float = math.inf) -> bool:
+            return any(self._within(e, at, until) for _, e in self.journal.named(event, survivors))
+
+        # a daemon logs ``reconfigured`` when it reads its workers' beat, which may come after their first step: a
+        # restart is logged before it, so wait a little for either before calling the change one or the other
+        settle = time.monotonic() + SETTLE_S
+        while not seen("reconfigured") and not seen("restart", first.t) and time.monotonic() < settle:
+            time.sleep(POLL_S)
+            self._look()
+        kept = seen("reconfigured") and not seen("restart", first.t)
         before = world_size + (1 if kind == "node_lost" else -1)
         if kind == "node_lost":
             what = f"re-formed {'in place' if kept else 'by a restart from the last checkpoint'} without {node}"

@@ -77,6 +77,10 @@ _ELECTION = ("leader changed", "no leader", "not leader", "request timed out", "
 _RETRY_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 _REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # etcd's permissions said no: the same answer again
 # Between two attempts within the grace (seconds): about an etcd heartbeat, at most a few.
+# Reads, which are safe to ask twice; and what gRPC says of a call whose connection closed under it (not an answer
+# of etcd's: the connection went, say etcd restarted while the call was on its way).
+_READS = frozenset({"get", "get_prefix", "count", "revision", "lease_ttl"})
+_CONNECTION_LOST = ("Stream removed", "Socket closed")
 _ELECTION_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.05, min=0.05, max=0.5)
 
 
@@ -416,6 +420,16 @@ class EtcdClient:
 
     def _call(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T:
         if self._election_grace_s <= 0:
+            try:
+                return self._call_once(operation, fn, report=False, renewed=renewed)
+            except EtcdError as exc:
+                if operation not in _READS or not any(m in str(exc) for m in _CONNECTION_LOST):
+                    if report:
+                        self._report(exc)
+                    raise
+            # A read sent on a connection that closed under it (etcd restarting) is asked once more: gRPC then
+            # waits for the new connection (wait_for_ready) within the request timeout. Only reads: a write may
+            # have been applied before the connection went.
             return self._call_once(operation, fn, report, renewed)
         return _through_elections(self._election_grace_s)(self._call_once, operation, fn, report, renewed)
 

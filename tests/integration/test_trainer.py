@@ -78,7 +78,7 @@ def test_a_trainer_script_trains_through_a_node_loss_and_a_join_as_if_undisturbe
         min_nodes=2,
         max_nodes=3,
         script=EXAMPLE,
-        script_args=_args(tmp_path, "elastic", 0.25),
+        script_args=_args(tmp_path, "elastic", 0.2),
         extra=("--accelerate-config", str(config)),
     ) as c:
         for name in ("tr-a", "tr-b", "tr-c"):
@@ -128,9 +128,13 @@ def test_a_trainer_script_trains_through_a_node_loss_and_a_join_as_if_undisturbe
         assert (c.checkpoint_dir / "trainer" / committed[-1] / f"checkpoint-{STEPS}" / "trainer_state.json").is_file()
 
 
-def test_a_trainer_checkpoint_torn_mid_write_is_never_resumed_from(etcd: EmbeddedEtcd, tmp_path: Path) -> None:
-    # rank 0 dies (SIGKILL, by itself) with every file of checkpoint-20 written and nothing committed; a folder
-    # Trainer's own resume_from_checkpoint=True would take is planted beside it, half written
+def test_a_torn_checkpoint_is_never_resumed_from_a_nan_is_skipped_and_a_hang_restarts_from_the_commit(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    # Round 0: step 5's loss is NaN (the guard skips the step), then rank 0 dies (SIGKILL, by itself) with every file
+    # of checkpoint-20 written and nothing committed; a folder Trainer's own resume_from_checkpoint=True would take is
+    # planted beside it, half written. Round 1 resumes from 10, commits 20 again, and rank 1 stops for good before
+    # step 25: the daemon's watchdog (Trainer's callback writes its slot) must find the hang.
     output = tmp_path / "torn-output"
     planted = output / "checkpoint-25"
     planted.mkdir(parents=True)
@@ -149,16 +153,21 @@ def test_a_trainer_checkpoint_torn_mid_write_is_never_resumed_from(etcd: Embedde
         script=EXAMPLE,
         script_args=args,
         extra=("--accelerate-config", str(config)),
-        env={"ELASTICD_FAULT": "kill@checkpoint=20,rank=0,round=0"},
+        env={"ELASTICD_FAULT": "nan@step=5,round=0;kill@checkpoint=20,rank=0,round=0;sleep@step=25,rank=1,round=1"},
     ) as c:
         node = c.start("torn-a")
         assert node.wait(300) == 0, node.tail()
         started = node.events("trainer_started")
-        # round 1 resumed from the last commit, not from 20 or 25; in bf16 from accelerate's config, said at start
-        assert [(e["step"], e["mixed_precision"]) for e in started] == [(0, "bf16"), (10, "bf16")], started
+        # round 1 resumed from the last commit, not from 20 or 25, round 2 from the 20 it committed; in bf16 from
+        # accelerate's config, said at start
+        assert [(e["step"], e["mixed_precision"]) for e in started] == [(0, "bf16"), (10, "bf16"), (20, "bf16")]
         failed = node.events("worker_failed")
         assert failed and failed[0].get("signal") in ("SIGKILL", 9), failed
-        records = sorted(p.name for p in (c.checkpoint_dir / "torn").iterdir())
+        assert {(e["step"], e["action"]) for e in node.events("nonfinite_step")} == {(5, "skip")}
+        (hang,) = node.events("hang_diagnosed")
+        assert hang["step"] in (24, 25) and 1 in hang["culprit_ranks"], hang
+        assert [e["reason"] for e in node.events("restart")] == ["failure", "hang"]
+        records = sorted(p.name for p in (c.checkpoint_dir / "torn").iterdir() if p.name != "diagnostics")
         assert records == ["step-000000000010", "step-000000000020", "step-000000000030"], records
         trained = effective_ids(tmp_path / "torn-ids.jsonl")
         assert sorted(trained) == list(range(1, 31))

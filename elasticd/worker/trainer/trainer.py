@@ -101,7 +101,6 @@ class Trainer(transformers.Trainer):
         self._coordinator = Coordinator(
             rank=self._rank, world_size=self._world, every_seconds=settings.checkpoint_every_seconds
         )
-        self._batches: StepBatches | None = None
         self._micro = 0  # micro-batches of the current optimizer step done on this rank
         self._saving_into: Path | None = None
         self._saved_step = 0  # the newest step committed or resumed from
@@ -190,7 +189,6 @@ class Trainer(transformers.Trainer):
         left = len(dataset) % self._global_batch  # type: ignore[arg-type]
         if left and self.accelerator.is_main_process:
             self.elastic_log.warning("trainer_batches", untrained_per_epoch=left, global_batch_size=self._global_batch)
-        self._batches = batches
         return StepLoader(dataset, batches, collate_fn=collator, num_workers=self.args.dataloader_num_workers)
 
     def get_resumed_dataloader(self, dataloader: Any, num_batches: int) -> Any:
@@ -222,6 +220,9 @@ class Trainer(transformers.Trainer):
         self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
     ) -> Any:
         computed = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if model.training and self._faults.nan_at(self.state.global_step + 1):  # tests: a non-finite step
+            nan = float("nan")
+            computed = (computed[0] * nan, *computed[1:]) if isinstance(computed, tuple) else computed * nan
         raw = computed[0] if isinstance(computed, tuple) else computed
         self._raw_loss = raw  # the backward takes it before Trainer divides it
         return computed
