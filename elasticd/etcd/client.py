@@ -76,11 +76,8 @@ _ACCESS_DENIED = (
 _ELECTION = ("leader changed", "no leader", "not leader", "request timed out", "timed out waiting for read index", "context deadline exceeded", "No endpoint available")  # fmt: skip  # noqa: E501
 _RETRY_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
 _REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # etcd's permissions said no: the same answer again
+_READS = frozenset({"get", "get_prefix", "count", "revision", "lease_ttl"})  # safe to ask twice
 # Between two attempts within the grace (seconds): about an etcd heartbeat, at most a few.
-# Reads, which are safe to ask twice; and what gRPC says of a call whose connection closed under it (not an answer
-# of etcd's: the connection went, say etcd restarted while the call was on its way).
-_READS = frozenset({"get", "get_prefix", "count", "revision", "lease_ttl"})
-_CONNECTION_LOST = ("Stream removed", "Socket closed")
 _ELECTION_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.05, min=0.05, max=0.5)
 
 
@@ -420,16 +417,6 @@ class EtcdClient:
 
     def _call(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T:
         if self._election_grace_s <= 0:
-            try:
-                return self._call_once(operation, fn, report=False, renewed=renewed)
-            except EtcdError as exc:
-                if operation not in _READS or not any(m in str(exc) for m in _CONNECTION_LOST):
-                    if report:
-                        self._report(exc)
-                    raise
-            # A read sent on a connection that closed under it (etcd restarting) is asked once more: gRPC then
-            # waits for the new connection (wait_for_ready) within the request timeout. Only reads: a write may
-            # have been applied before the connection went.
             return self._call_once(operation, fn, report, renewed)
         return _through_elections(self._election_grace_s)(self._call_once, operation, fn, report, renewed)
 
@@ -440,12 +427,12 @@ class EtcdClient:
         except _RPC_ERRORS as exc:
             error = _translate(operation, self._endpoint_label(), exc)
             if isinstance(exc, pyetcd.exceptions.NoServerAvailableError):
-                # Every endpoint failed within the failover backoff: let the next call try them all again
-                # instead of refusing for the rest of the backoff while etcd may already be back.
+                # Every endpoint failed within the failover backoff: the next call tries them all (etcd may be back)
                 for endpoint in self._raw.endpoints.values():
                     endpoint.last_failed = 0
-        if not renewed and any(m in str(error) for m in _STALE_TOKEN) and self._renew_token():
-            return self._call_once(operation, fn, report, renewed=True)
+        lost = operation in _READS and "Stream removed" in str(error)  # its connection closed under it: once more
+        if not renewed and (lost or (any(m in str(error) for m in _STALE_TOKEN) and self._renew_token())):
+            return self._call_once(operation, fn, report, renewed=True)  # (a write may have been applied: never)
         if report:
             self._report(error)
         raise error
