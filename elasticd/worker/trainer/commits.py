@@ -11,6 +11,7 @@ records is ever resumed from (:mod:`elasticd.worker.resume_point`); a half-writt
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from elasticd.worker.checkpoints import Checkpoint, CheckpointStore, CommitDefer
 from elasticd.worker.fence import EtcdFence
 from elasticd.worker.settings import WorkerSettings
 
+BadCheckpoint = Callable[[Checkpoint, str], None]
 # The manifest's "format" of a commit holding Trainer's folder (a save_state commit has none).
 TRAINER_FORMAT = "transformers.Trainer"
 
@@ -35,7 +37,9 @@ def trainer_folder(checkpoint: Checkpoint | Path, step: int | None = None) -> Pa
 class TrainerCommits:
     """Where Trainer saves, how a save is committed, and which commit a start resumes from."""
 
-    def __init__(self, settings: WorkerSettings, accelerator: Any, beats: BeatClient, log: Any) -> None:
+    def __init__(
+        self, settings: WorkerSettings, accelerator: Any, beats: BeatClient, log: Any, on_bad: BadCheckpoint
+    ) -> None:
         s = settings
         self.accelerator = accelerator
         self.store = CheckpointStore(s.checkpoint_dir, s.run_id, keep=s.keep_checkpoints, token=s.fence_token)
@@ -43,6 +47,7 @@ class TrainerCommits:
         self.fence = EtcdFence(s.etcd_connect_args, s.run_id) if s.etcd and s.fence_token else None
         self.beats = beats
         self.log = log
+        self._bad = on_bad  # a recorded checkpoint that fails verification (SaveEvents.bad_checkpoint)
         if accelerator.is_main_process:  # what a writer left that no record names (a crash mid-save)
             resume_point.remove_partials(self.store, self.fence)
         accelerator.wait_for_everyone()
@@ -88,7 +93,3 @@ class TrainerCommits:
             asynchronous=False,
         )
         return committed
-
-    def _bad(self, checkpoint: Checkpoint, reason: str) -> None:
-        self.log.warning("checkpoint_unusable", path=str(checkpoint.path), reason=reason)
-        self.beats.send(Kind.CHECKPOINT_UNUSABLE, step=checkpoint.step, reason=reason)

@@ -51,6 +51,7 @@ from elasticd.worker.diagnostics import WorkerDiagnostics
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.guard import NonFiniteGuard, Verdict
 from elasticd.worker.planning import Planner, TrainingStopped
+from elasticd.worker.save_events import SaveEvents
 from elasticd.worker.settings import WorkerSettings
 from elasticd.worker.step_beats import StepBeats
 from elasticd.worker.trainer.callback import ElasticCallback
@@ -95,7 +96,8 @@ class Trainer(transformers.Trainer):
         self._slot = SlotWriter(slot_path(board, settings.local_rank)) if board else NullSlotWriter()
         self._diagnostics = WorkerDiagnostics(board, settings.local_rank, self._slot) if board else None
         self._faults = FaultInjector.from_env(self._rank)
-        self._commits = TrainerCommits(settings, accelerator, self._beats, self.elastic_log)
+        events = SaveEvents(lambda: self.elastic_log, self._beats, self._faults)
+        self._commits = TrainerCommits(settings, accelerator, self._beats, self.elastic_log, events.bad_checkpoint)
         self._planner = Planner(settings, self._beats)
         self._guard = NonFiniteGuard(settings.on_nan)
         self._coordinator = Coordinator(
