@@ -11,7 +11,8 @@ A table in the doc sits between two markers that name its kind and its source::
                                       # block (tests/unit/test_bench_report.py runs it)
 
 Kinds (bench/table_kinds.py names what renders each): ``recovery``, ``goodput``, ``checkpoint``, ``step_overhead``,
-``hang``, ``heal``, ``collective_design``, ``recovery_memory``, ``join_contention``, ``shard_mirror``, one per
+``hang``, ``heal``, ``collective_design``, ``recovery_memory``, ``join_contention``, ``shard_mirror``,
+``control_plane``, one per
 benchmark of that name. Each generated block starts with the commit its figures were measured on; a file that
 predates recording the commit is named by the commit in its file name.
 """

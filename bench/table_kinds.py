@@ -13,6 +13,7 @@ from bench.tables import (
     shard_mirror_table,
     step_overhead_table,
 )
+from bench.tables_control_plane import control_plane_table
 from bench.tables_hot import collective_design_table, heal_table, join_contention_table, recovery_memory_table
 
 KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -26,4 +27,5 @@ KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "recovery_memory": recovery_memory_table,
     "join_contention": join_contention_table,
     "shard_mirror": shard_mirror_table,
+    "control_plane": control_plane_table,
 }

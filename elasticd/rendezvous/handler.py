@@ -311,6 +311,12 @@ def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:
         user=params.get("user"),
         password=params.get("password"),
     )
+    return build_handler(client, params)
+
+
+def build_handler(client: EtcdClient, params: RendezvousParameters) -> ElasticdRendezvousHandler:
+    """A handler over ``client`` (connected; :func:`create_handler` makes one per handler, ``bench/control_plane.py``
+    shares one among many simulated nodes), with ``params``' elastic range, timings and ids."""
     timeout = RendezvousTimeout(
         join=timedelta(seconds=_seconds(params, "join_timeout", JOIN_TIMEOUT_S)),
         last_call=timedelta(seconds=_seconds(params, "last_call_timeout", LAST_CALL_TIMEOUT_S)),

@@ -250,6 +250,7 @@ class HotPath:
             reason=failure.reason,
             epoch=self.session.epoch,
             backward_cuts=self.session.cutoff.cuts,
+            backward_uncut=self.session.cutoff.uncut,
         )
         run.slot.set_phase(Phase.LOADING)  # the hang watchdog allows the startup timeout for what follows
         try:

@@ -200,6 +200,7 @@ def test_a_flapping_link_ends_the_run_with_one_lineage_and_the_undisturbed_param
                  script_args=(*train_args(STEPS, SLEEP_S), "--save-final", str(final))) as c:  # fmt: skip
         ranks = start_on_hosts(c, hosts)
         victim = next(n for n, r in ranks.items() if r == 2)
+        flapping_since = time.time()  # a node slow to start may have cost one restart into the first round of 3
         try:
             for _ in range(5):
                 network.cut(victim, "data")
@@ -214,7 +215,8 @@ def test_a_flapping_link_ends_the_run_with_one_lineage_and_the_undisturbed_param
         # without the partition diagnosis every node is a culprit of each cut and the whole job restarts cold
         for name in hosts:
             if name != victim:
-                assert not c.nodes[name].events("restart"), f"{name} restarted\n{c.diagnostics()}"
+                restarts = [e for e in c.nodes[name].events("restart") if stamp(e) >= flapping_since]
+                assert not restarts, f"{name} restarted\n{c.diagnostics()}"
     assert_one_lineage(Lineage(client, RunKeys("flap")).records())
     client.close()
     assert_same_parameters(final, reference)

@@ -34,10 +34,26 @@ def test_the_jobs_state_their_parameters() -> None:
 
 def test_issue_27s_targets_judge_the_plain_jobs_rows() -> None:
     assert recovery.plain_verdict(recovery.Scenario.NODE_LOSS, 3.1, 2.6) == "<= 4 s: met; >= 2.5x tuned: met"
-    assert recovery.plain_verdict(recovery.Scenario.JOIN, 5.5, 1.9) == "<= 5 s: MISSED; >= 2.5x tuned: MISSED"
+    assert recovery.plain_verdict(recovery.Scenario.JOIN, 5.5, 1.9) == ""  # a join: plain_join_verdict
     assert recovery.plain_verdict(recovery.Scenario.HANG, 1.0, None) == ""
     rows = recovery.summarize(
         [recovery.Sample("elasticd", "node_loss", 1, 3.0), recovery.Sample("torchrun-tuned", "node_loss", 1, 9.0)],
         plain=True,
     )
     assert rows[0]["target"] == "<= 4 s: met; >= 2.5x tuned: met"
+
+
+def test_a_plain_join_is_judged_on_the_running_groups_pause_in_total_against_tuned_torchruns() -> None:
+    def row(mine: float, tuned: float) -> dict:
+        return {
+            "elasticd": {"median_s": 7.3, "phase_medians_s": {"first_step": 7.3, "stall_total": mine}},
+            "torchrun-tuned": {"median_s": 7.5, "phase_medians_s": {"stall_total": tuned}},
+        }
+
+    assert recovery.plain_join_verdict(row(1.6, 6.0)) == (
+        "pause in total <= 5 s: met; >= 2.5x tuned's pause (3.8x): met"
+    )
+    assert recovery.plain_join_verdict(row(5.5, 6.0)) == (
+        "pause in total <= 5 s: MISSED; >= 2.5x tuned's pause (1.1x): MISSED"
+    )
+    assert recovery.plain_join_verdict({"elasticd": {"median_s": 7.3}}) == ""

@@ -61,6 +61,7 @@ class BackwardCutoff:
         # its own device threads. A training process runs one backward at a time.
         self._inside = False
         self.cuts = 0  # backward passes cut short so far
+        self.uncut = 0  # backward passes that ran to their end although their step had failed (none should)
 
     def install(self, accelerator: Any, model: Any) -> None:
         """Wrap ``accelerator.backward`` and hook every trainable parameter of ``model``."""
@@ -77,7 +78,10 @@ class BackwardCutoff:
         def backward(loss: Any, **kwargs: Any) -> Any:
             self._inside = True
             try:
-                return original(loss, **kwargs)
+                result = original(loss, **kwargs)
+                if self._health.failed:
+                    self.uncut += 1
+                return result
             except BackwardCut:
                 self.cuts += 1
                 after_cut()

@@ -1,0 +1,298 @@
+"""One process's share of ``bench/control_plane.py``'s simulated nodes: elasticd's own control-plane code, no workers.
+
+A simulated node is what a daemon and its one worker put into etcd, made of the same classes:
+
+- the daemon's registry record (:class:`~elasticd.agent.registry.NodeRegistry`, 10 s lease) and its liveness lease
+  (:class:`~elasticd.agent.node_lease.NodeLease`, ``membership/alive/<node>``, holding the rendezvous name too);
+- its rendezvous handler (``rendezvous/handler.py``'s :func:`build_handler`: torch's dynamic rendezvous over
+  elasticd's etcd backend, with the liveness-lease rule of ``use_liveness_lease``);
+- once the round formed, its worker's part of recovery in place: its member record and listener
+  (:class:`~elasticd.liveness_probe.ProbeListener`, which the deciders probe), the failure watch
+  (:class:`~elasticd.worker.hot.watch.FailureWatch`), and bids and decisions through
+  :class:`~elasticd.membership.Membership` with the deciders' verdicts
+  (:class:`~elasticd.worker.hot.verdicts.Verdicts`), in the loop ``worker/hot/session.py``'s ``_decide`` runs.
+
+What differs from a real node, and why it does not change what etcd sees: no torch process group and no training (a
+step boundary is a look every :data:`STEP_S` at whether a joiner waits); a kill stops the node's threads and closes its
+listener at once (its leases then expire in etcd as a killed daemon's do), and a survivor whose collective the kill
+broke writes the failure notice, as a real one does first thing. Nodes of one process share an etcd client (one gRPC
+connection) per ``--nodes-per-client`` nodes; a daemon has two of its own and each worker one.
+
+The orchestrator speaks JSON lines: commands on stdin, events on stdout, each with a wall-clock ``t`` (every process
+of the benchmark runs on one machine).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as `python bench/control_plane_nodes.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from elasticd.agent.node_lease import NodeLease
+from elasticd.agent.registry import NodeRegistry
+from elasticd.endpoints import parse_endpoints
+from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.keys import RunKeys
+from elasticd.liveness_probe import ProbeListener
+from elasticd.membership import Bid, Epoch, Membership
+from elasticd.rendezvous.handler import build_handler
+from elasticd.worker.hot.verdicts import Verdicts
+from elasticd.worker.hot.watch import FailureWatch
+
+# How often a member looks whether joiners wait, as a worker does at each optimizer step boundary (seconds).
+STEP_S = 0.1
+# A member's wait for an epoch to be decided before it gives up (session.py's DECIDE_TIMEOUT_S is 120 s).
+DECIDE_TIMEOUT_S = 120.0
+_DECIDE_POLL_S = 0.05  # as session.py's
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+@dataclass
+class Group:
+    """The group training in place, as a member knows it: its name, epoch, members in rank order and fence."""
+
+    name: str
+    epoch: int
+    members: tuple[str, ...]
+    fence: str
+
+
+class SimNode:
+    """One simulated daemon and its one worker."""
+
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str, nodes: int) -> None:
+        self.client = client
+        self.keys = RunKeys(run_id)
+        self.node_id = node_id
+        self.listener = ProbeListener("127.0.0.1")
+        self.address = f"127.0.0.1:{self.listener.port}"
+        self.registry = NodeRegistry(client, self.keys, node_id, probe=self.address)
+        self.lease = NodeLease(client, self.keys, node_id)
+        params = RendezvousParameters(
+            backend="etcd-v3", endpoint="", run_id=run_id, min_nodes=nodes, max_nodes=nodes, local_addr="127.0.0.1"
+        )
+        self.handler = build_handler(client, params)
+        self.membership = Membership(client, self.keys)
+        self.rank: int | None = None
+        self.member = f"join-{node_id}.0"
+        self.group: Group | None = None
+        self.watch: FailureWatch | None = None
+        self.verdicts: Verdicts | None = None
+        self.killed = threading.Event()
+
+    def start(self) -> None:
+        """What a daemon does before its rendezvous: claim its record, hold its leases."""
+        self.registry.claim()
+        self.registry.start_keepalive()
+        self.lease.start()
+        self.handler.use_liveness_lease(self.lease.hold)
+
+    def form(self) -> int:
+        info = self.handler.next_rendezvous()
+        self.rank = info.rank
+        return info.world_size
+
+    def arm(self, group: str, world: int) -> None:
+        """The worker's start in place (``session.start``): its member record, then the watch on the group."""
+        assert self.rank is not None
+        self.member = f"{group}.{self.rank}"
+        record = {"node": self.node_id, "addr": self.address}
+        self.client.put(self.keys.membership_member(self.member), json.dumps(record))
+        members = tuple(f"{group}.{r}" for r in range(world))
+        self.group = Group(group, 0, members, fence=f"{group}")
+        self._follow()
+
+    def _follow(self) -> None:
+        assert self.group is not None
+        self.verdicts = Verdicts(self.client, self.keys, self.group.name)
+        if self.watch is None:
+            self.watch = FailureWatch(
+                self.client, self.keys, self.group.name, daemon_answers=lambda n: self._verdicts().daemon_answers(n)
+            )
+        self.watch.follow(self.group.epoch, self._verdicts().nodes_of(self.group.members))
+
+    def _verdicts(self) -> Verdicts:
+        assert self.verdicts is not None
+        return self.verdicts
+
+    def kill(self) -> None:
+        """As kill -9 of the daemon and its worker: everything stops at once, nothing is said to etcd."""
+        self.killed.set()
+        self.listener.close()
+        self.lease._stop.set()  # the keep-alive thread ends; the lease expires in etcd
+        self.registry._stop.set()
+        self.registry._wake.set()
+        self.handler._stop_heartbeats()
+        if self.watch is not None:
+            self.watch.close()
+
+    def notice(self, text: str) -> None:
+        """What a survivor whose collective the kill broke writes first thing (``session._recover``)."""
+        assert self.group is not None
+        self.client.create(self.keys.membership_notice(self.group.name, self.group.epoch), f"{self.member}: {text}")
+
+    def reform(self, reason: str) -> Epoch:
+        """Bid for the next epoch and decide it with the others (``session._recover`` and ``admit``)."""
+        assert self.group is not None
+        target = self.group.epoch + 1
+        self.membership.bid(target, Bid(self.member, self.group.members.index(self.member), 0))
+        decision = self._decide(target, reason)
+        self._enter(decision)
+        return decision
+
+    def _decide(self, target: int, reason: str) -> Epoch:
+        assert self.group is not None
+        deadline = time.monotonic() + DECIDE_TIMEOUT_S
+        verdicts = self._verdicts()
+        while True:
+            before = self.client.revision()
+            decision = self.membership.try_decide(
+                target,
+                self.group.members,
+                lambda m: verdicts.is_dead(m, target - 1),
+                min_members=1,
+                round_=0,
+                reason=reason,
+                fence=self.group.fence,
+                out=lambda m: verdicts.is_out(m, target - 1),
+            )
+            if decision is not None:
+                return decision
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"epoch {target} was not decided within {DECIDE_TIMEOUT_S:g} s")
+            self.client.wait_for_change(self.keys.membership_prefix, before + 1, _DECIDE_POLL_S, True)
+
+    def _enter(self, decision: Epoch) -> None:
+        assert self.group is not None
+        self.group = Group(self.group.name, decision.number, decision.members, decision.token)
+        self._follow()
+
+    def join(self) -> Epoch:
+        """A joiner's worker (``session._join``): bid with no old rank, wait until an epoch takes it."""
+        record = {"node": self.node_id, "addr": self.address}
+        self.client.put(self.keys.membership_member(self.member), json.dumps(record))
+        while True:
+            found = self.membership.current()
+            target = 1 if found is None else found[0].number + 1
+            self.membership.bid(target, Bid(self.member, None, 0))
+            decision = self.membership.wait(target, DECIDE_TIMEOUT_S)
+            if decision is None:
+                raise TimeoutError(f"epoch {target} was not decided within {DECIDE_TIMEOUT_S:g} s")
+            if self.member in decision.members:
+                return decision
+
+    def serve_steps(self, on_decided: Callable[[str, Epoch], None]) -> None:
+        """The worker's step boundaries: a failure notice or a lease gone fails the step (re-form), a joiner waiting
+        moves the group to the next epoch (admit); until killed."""
+        while not self.killed.wait(STEP_S):
+            watch = self.watch
+            if watch is None:
+                continue
+            reason = "failure" if watch.reason() is not None else "join" if watch.joiners() else None
+            if reason is None:
+                continue
+            try:
+                on_decided(reason, self.reform(reason))
+            except (EtcdError, TimeoutError) as exc:
+                emit("decide_failed", node=self.node_id, error=str(exc))
+                return
+
+
+def _raise_open_files() -> None:
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main() -> int:
+    _raise_open_files()
+    setup = json.loads(sys.stdin.readline())
+    if setup["design"] != "today":
+        raise SystemExit(f"unknown control plane design {setup['design']!r}")
+    endpoints = parse_endpoints(setup["endpoints"])
+    per_client = int(setup["nodes_per_client"])
+    clients: list[EtcdClient] = []
+    nodes: dict[str, SimNode] = {}
+
+    def client_for(index: int) -> EtcdClient:
+        while len(clients) <= index // per_client:
+            clients.append(EtcdClient.connect(endpoints, connect_timeout_s=30))
+        return clients[index // per_client]
+
+    def make(node_id: str, index: int) -> SimNode:
+        node = SimNode(client_for(index), setup["run_id"], node_id, int(setup["nodes"]))
+        node.start()
+        nodes[node_id] = node
+        return node
+
+    def in_thread(fn: Callable[[], None]) -> None:
+        threading.Thread(target=fn, daemon=True).start()
+
+    for index, node_id in enumerate(setup["node_ids"]):
+        make(node_id, index)
+    emit("started", nodes=len(nodes))
+    for line in sys.stdin:
+        command = json.loads(line)
+        what = command["do"]
+        if what == "form":
+            for node in list(nodes.values()):
+
+                def form(node: SimNode = node) -> None:
+                    try:
+                        world = node.form()
+                    except Exception as exc:  # torch's RendezvousError and its kin: reported, the bench judges
+                        emit("form_failed", node=node.node_id, error=f"{type(exc).__name__}: {exc}")
+                        return
+                    emit("formed", node=node.node_id, rank=node.rank, world=world)
+
+                in_thread(form)
+        elif what == "arm":
+            for node in nodes.values():
+                node.arm(command["group"], int(command["world"]))
+            for node in nodes.values():
+
+                def steps(node: SimNode = node) -> None:
+                    node.serve_steps(
+                        lambda reason, d, node=node: emit(
+                            "decided", node=node.node_id, reason=reason, epoch=d.number, members=len(d.members)
+                        )
+                    )
+
+                in_thread(steps)
+            emit("armed", nodes=len(nodes))
+        elif what == "kill":
+            nodes[command["node"]].kill()
+            emit("killed", node=command["node"])
+        elif what == "notice":
+            nodes[command["node"]].notice(command["text"])
+        elif what == "join":
+            node = make(command["node"], len(nodes))
+
+            def join(node: SimNode = node) -> None:
+                decision = node.join()
+                emit(
+                    "decided", node=node.node_id, reason="joined", epoch=decision.number, members=len(decision.members)
+                )
+
+            in_thread(join)
+        elif what == "exit":
+            break
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
