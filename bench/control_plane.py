@@ -53,7 +53,7 @@ from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 
-NODES = (8, 64, 256, 1024)
+NODES = (8, 16, 32, 64, 256, 1024)  # issue 28 names 8, 64, 256, 1,024; 16 and 32 show where today's design stops
 # The control planes measured: "today", torch's dynamic rendezvous over one shared state value (issue 28's baseline).
 DESIGNS = ("today",)
 _NODES_SCRIPT = Path(__file__).resolve().parent / "control_plane_nodes.py"
