@@ -21,6 +21,7 @@ design that did not form within ``--form-timeout`` at some N is recorded so (wit
 and not run at larger N. ``bench/control_plane_nodes.py`` holds the nodes and says what a simulated node shares.
 
     python bench/control_plane.py [--nodes 8 64 256 1024] [--trials 3] [--processes 2] [--nodes-per-client 8]
+    python bench/control_plane.py --draw bench/results/control_plane-<commit>.json   # the picture again, from a file
 
 Needs root (network namespaces), as the suite's host tests.
 """
@@ -351,7 +352,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=Path("docs/control_plane.png"), help="the picture of time and bytes")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/elasticd-control-plane"))
+    p.add_argument("--draw", type=Path, default=None, help="only draw --png from this results file, run nothing")
     args = p.parse_args(argv)
+    if args.draw is not None:
+        return 0 if draw(json.loads(args.draw.read_text()), args.png) else 1
     revision = code_revision()
     report = report_header("bench/control_plane.py", argv, revision)
     config = {
