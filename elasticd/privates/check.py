@@ -1,7 +1,7 @@
 """Running the tables' checks at start, and applying their fallbacks.
 
 - ``elasticd start`` (:func:`check_daemon`, once torch is loaded and before the agent and the rendezvous handler are
-  imported): every entry is checked, since the workers run in the daemon's environment. One event says what was
+  imported): its own entries and every ``refuse_to_start`` one (:func:`daemon_surfaces`). One event says what was
   checked (``private_surfaces_checked``) or what moved and the fallbacks (``private_surfaces_moved``); a moved
   ``refuse_to_start`` entry stops the daemon with exit 2 and one line. The other fallbacks are applied where the
   name is used: the rendezvous wake-up (``wakeup.install``), the hot path at arm (:func:`require`), the worker's
@@ -93,10 +93,21 @@ def require(backend: str, error: Callable[[str], Exception]) -> None:
         raise error(moved_message("hot recovery", moved))
 
 
+def daemon_surfaces() -> list[Surface]:
+    """What ``elasticd start`` checks: the daemon's own entries, and every entry whose move refuses to start (a worker's
+    too: better one line from the daemon than workers failing one after the other). The workers' other entries are
+    checked where they are used, by the worker's ``attach`` (:func:`check_worker`) and the hot path's arm
+    (:func:`require`), each reporting what moved. Checking them in the daemon imported what only workers use (FSDP and
+    its DTensor package, accelerate's ``Accelerator``): ~1 s of CPU at every daemon start, measured here."""
+    return [s for s in SURFACES if s.process is Process.DAEMON or s.fallback is Fallback.REFUSE_TO_START]
+
+
 def check_daemon(log: Any) -> list[Moved]:
-    """``elasticd start``'s check: log one event (checked, or moved); raise :class:`SurfacesMoved` when a
-    ``refuse_to_start`` entry moved. Returns what moved with a fallback the daemon or its workers apply."""
-    return _report(log, problems(), "daemon", len(SURFACES))
+    """``elasticd start``'s check (:func:`daemon_surfaces`): log one event (checked, or moved); raise
+    :class:`SurfacesMoved` when a ``refuse_to_start`` entry moved. Returns what moved with a fallback the daemon or
+    its workers apply."""
+    mine = daemon_surfaces()
+    return _report(log, problems(mine), "daemon", len(mine))
 
 
 def check_worker(log: Any) -> frozenset[Fallback]:

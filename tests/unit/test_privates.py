@@ -28,6 +28,7 @@ from elasticd.privates.check import (
     SurfacesMoved,
     check_daemon,
     check_worker,
+    daemon_surfaces,
     problems,
     require,
     versions_line,
@@ -128,22 +129,27 @@ def test_the_daemon_refuses_to_start_on_a_moved_agent_private_with_one_line_and_
     assert event["process"] == "daemon" and event["fallbacks"] == ["refuse_to_start"]
 
 
-def test_the_daemon_starts_on_a_moved_hot_path_private_and_says_its_workers_recover_cold(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_moved_hot_path_private_is_left_to_the_workers_arm_which_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(DistributedDataParallel, "_update_process_group")
     with structlog.testing.capture_logs() as logs:
-        moved = check_daemon(structlog.get_logger())
-    assert [m.surface.fallback for m in moved] == [Fallback.COLD_RECOVERY]
-    event = next(e for e in logs if e["event"] == "private_surfaces_moved")
-    assert event["log_level"] == "warning" and event["fallbacks"] == ["cold_recovery"]
-    assert event["checked"] == len(SURFACES)
+        assert check_daemon(structlog.get_logger()) == []  # the daemon starts: its workers recover cold
+    assert [e["event"] for e in logs] == ["private_surfaces_checked"]
+    with pytest.raises(SurfaceChanged, match="_update_process_group"):
+        require("gloo", SurfaceChanged)
 
 
 def test_the_daemon_logs_one_event_when_nothing_moved() -> None:
     with structlog.testing.capture_logs() as logs:
         assert check_daemon(structlog.get_logger()) == []
-    assert [(e["event"], e["checked"]) for e in logs] == [("private_surfaces_checked", len(SURFACES))]
+    assert [(e["event"], e["checked"]) for e in logs] == [("private_surfaces_checked", len(daemon_surfaces()))]
+
+
+def test_the_daemon_checks_its_own_entries_and_every_refusing_one_and_the_workers_check_the_rest() -> None:
+    left = set(SURFACES) - set(daemon_surfaces())
+    assert left and all(s.process is Process.WORKER and s.fallback is not Fallback.REFUSE_TO_START for s in left)
+    arm = {s for s in SURFACES if s.fallback is Fallback.COLD_RECOVERY}  # require()'s
+    attach = {s for s in SURFACES if s.process is Process.WORKER and s.fallback is not Fallback.COLD_RECOVERY}
+    assert left <= arm | attach
 
 
 def test_a_worker_blocks_its_saves_when_what_asynchronous_saves_copy_moved(monkeypatch: pytest.MonkeyPatch) -> None:
