@@ -266,11 +266,11 @@ def main() -> int:
             for node in nodes.values():
 
                 def steps(node: SimNode = node) -> None:
-                    node.serve_steps(
-                        lambda reason, d, node=node: emit(
-                            "decided", node=node.node_id, reason=reason, epoch=d.number, members=len(d.members)
-                        )
-                    )
+                    def decided(reason: str, decision: Epoch) -> None:
+                        emit("decided", node=node.node_id, reason=reason, epoch=decision.number,
+                             members=len(decision.members))  # fmt: skip
+
+                    node.serve_steps(decided)
 
                 in_thread(steps)
             emit("armed", nodes=len(nodes))

@@ -38,7 +38,9 @@ def test_medians_per_n_and_a_design_that_did_not_form_is_reported_with_its_cost(
     assert "not_formed" not in rows[0]
     assert rows[1]["form_s"]["median"] is None
     assert rows[1]["not_formed"]["formed_nodes"] == 3
-    table = control_plane_table({"config": {"trials": 3, "form_timeout": 60.0}, "designs": {"today": {"summary": rows}}})
+    table = control_plane_table(
+        {"config": {"trials": 3, "form_timeout": 60.0}, "designs": {"today": {"summary": rows}}}
+    )
     assert "| today | 8 | **2.00** (1.00, 3.00, 2.00)" in table
     assert "today, N = 64: not formed within 60 s (3 of 64 nodes had a rank)" in table
     assert "issue 28's targets at 1,024 nodes: not measured" in table
