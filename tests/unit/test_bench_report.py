@@ -186,10 +186,13 @@ def test_every_kind_names_its_commit_on_its_first_line() -> None:
         "recovery_memory",
         "join_contention",
         "shard_mirror",
+        "control_plane",
     }
     dirty = {**_hang_results(), "code": {"commit": "abc1234", "uncommitted_changes": True}}
     assert hang_table(dirty).splitlines()[0].startswith("Measured on commit abc1234 plus uncommitted changes")
     assert KINDS["heal"](_heal_results([0.5, 0.6, 0.4])).startswith("Measured on commit abc1234,")
+    plane = {"code": CODE, "machine": MACHINE, "config": {"form_timeout": 60.0}, "designs": {}}
+    assert KINDS["control_plane"](plane).startswith("Measured on commit abc1234,")
 
 
 def _heal_results(pairs: list[float]) -> dict[str, Any]:
