@@ -99,7 +99,7 @@ class Etcd:
         return totals
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.cluster._procs.values() if p.poll() is None]
+        return self.cluster.pids()
 
 
 def _cpu(pids: Sequence[int]) -> float:

@@ -98,7 +98,7 @@ def daemon_surfaces() -> list[Surface]:
     too: better one line from the daemon than workers failing one after the other). The workers' other entries are
     checked where they are used, by the worker's ``attach`` (:func:`check_worker`) and the hot path's arm
     (:func:`require`), each reporting what moved. Checking them in the daemon imported what only workers use (FSDP and
-    its DTensor package, accelerate's ``Accelerator``): ~1 s of CPU at every daemon start, measured here."""
+    its DTensor package, accelerate's ``Accelerator``): ~1.3 s of CPU at every daemon start, measured here."""
     return [s for s in SURFACES if s.process is Process.DAEMON or s.fallback is Fallback.REFUSE_TO_START]
 
 

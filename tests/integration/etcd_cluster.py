@@ -91,6 +91,10 @@ class EtcdCluster:
                 )
             time.sleep(_POLL_S)
 
+    def pids(self) -> list[int]:
+        """The running members' processes."""
+        return [proc.pid for proc in self._procs.values() if proc.poll() is None]
+
     def running(self, name: str) -> bool:
         proc = self._procs.get(name)
         return proc is not None and proc.poll() is None

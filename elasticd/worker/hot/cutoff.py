@@ -61,7 +61,9 @@ class BackwardCutoff:
         # its own device threads. A training process runs one backward at a time.
         self._inside = False
         self.cuts = 0  # backward passes cut short so far
-        self.uncut = 0  # backward passes that ran to their end although their step had failed (none should)
+        # backward passes that ran to their end although their step had failed: a DDP failure in the last bucket
+        # leaves nothing to cut; a sharded model's never should (each of its collectives cuts)
+        self.uncut = 0
 
     def install(self, accelerator: Any, model: Any) -> None:
         """Wrap ``accelerator.backward`` and hook every trainable parameter of ``model``."""
