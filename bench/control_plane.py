@@ -55,8 +55,9 @@ from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 
 NODES = (8, 16, 32, 64, 256, 1024)  # issue 28 names 8, 64, 256, 1,024; 16 and 32 show where today's design stops
-# The control planes measured: "today", torch's dynamic rendezvous over one shared state value (issue 28's baseline).
-DESIGNS = ("today",)
+# The control planes measured: "today", torch's dynamic rendezvous over one shared state value (issue 28's baseline);
+# "lease", elasticd's lease rendezvous (rendezvous/lease_handler.py), the rest of the node as today's.
+DESIGNS = ("today", "lease")
 _NODES_SCRIPT = Path(__file__).resolve().parent / "control_plane_nodes.py"
 _START_TIMEOUT_S = 300.0  # starting every node's registry and leases, before the rendezvous
 _CHANGE_TIMEOUT_S = 60.0  # a node loss or a join, decided in place

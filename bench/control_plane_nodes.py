@@ -47,9 +47,12 @@ from elasticd.keys import RunKeys
 from elasticd.liveness_probe import ProbeListener
 from elasticd.membership import Bid, Epoch, Membership
 from elasticd.rendezvous.handler import build_handler
+from elasticd.rendezvous.lease_handler import create_lease_handler
 from elasticd.worker.hot.verdicts import Verdicts
 from elasticd.worker.hot.watch import FailureWatch
 
+# today: torch's dynamic rendezvous (rendezvous/handler.py); lease: elasticd's lease rendezvous (lease_handler.py)
+DESIGNS = ("today", "lease")
 # How often a member looks whether joiners wait, as a worker does at each optimizer step boundary (seconds).
 STEP_S = 0.1
 # A member's wait for an epoch to be decided before it gives up (session.py's DECIDE_TIMEOUT_S is 120 s).
@@ -75,7 +78,7 @@ class Group:
 class SimNode:
     """One simulated daemon and its one worker."""
 
-    def __init__(self, client: EtcdClient, run_id: str, node_id: str, nodes: int) -> None:
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str, nodes: int, design: str) -> None:
         self.client = client
         self.keys = RunKeys(run_id)
         self.node_id = node_id
@@ -86,7 +89,11 @@ class SimNode:
         params = RendezvousParameters(
             backend="etcd-v3", endpoint="", run_id=run_id, min_nodes=nodes, max_nodes=nodes, local_addr="127.0.0.1"
         )
-        self.handler = build_handler(client, params)
+        self.design = design
+        if design == "lease":
+            self.handler: Any = create_lease_handler(params, self.lease, client)
+        else:
+            self.handler = build_handler(client, params)
         self.membership = Membership(client, self.keys)
         self.rank: int | None = None
         self.member = f"join-{node_id}.0"
@@ -100,7 +107,8 @@ class SimNode:
         self.registry.claim()
         self.registry.start_keepalive()
         self.lease.start()
-        self.handler.use_liveness_lease(self.lease.hold)
+        if self.design == "today":
+            self.handler.use_liveness_lease(self.lease.hold)
 
     def form(self) -> int:
         info = self.handler.next_rendezvous()
@@ -137,7 +145,10 @@ class SimNode:
         self.lease._stop.set()  # the keep-alive thread ends; the lease expires in etcd
         self.registry._stop.set()
         self.registry._wake.set()
-        self.handler._stop_heartbeats()
+        if self.design == "lease":
+            self.handler.stop()
+        else:
+            self.handler._stop_heartbeats()
         if self.watch is not None:
             self.watch.close()
 
@@ -221,7 +232,7 @@ def _raise_open_files() -> None:
 def main() -> int:
     _raise_open_files()
     setup = json.loads(sys.stdin.readline())
-    if setup["design"] != "today":
+    if setup["design"] not in DESIGNS:
         raise SystemExit(f"unknown control plane design {setup['design']!r}")
     endpoints = parse_endpoints(setup["endpoints"])
     per_client = int(setup["nodes_per_client"])
@@ -234,7 +245,7 @@ def main() -> int:
         return clients[index // per_client]
 
     def make(node_id: str, index: int) -> SimNode:
-        node = SimNode(client_for(index), setup["run_id"], node_id, int(setup["nodes"]))
+        node = SimNode(client_for(index), setup["run_id"], node_id, int(setup["nodes"]), setup["design"])
         node.start()
         nodes[node_id] = node
         return node

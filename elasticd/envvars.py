@@ -31,6 +31,9 @@ SOCKET = PREFIX + "SOCKET"
 ASYNC_CHECKPOINTS = PREFIX + "ASYNC_CHECKPOINTS"
 # "0": the daemon starts each worker as a new interpreter, not forked from its warm server (agent/warm_start.py).
 WARM_START = PREFIX + "WARM_START"
+# The daemon's rendezvous: "lease" (default: rendezvous/lease_handler.py, one small key per node) or "torch" (torch's
+# dynamic rendezvous over one shared state, rendezvous/handler.py: what torchrun --rdzv-backend etcd-v3 uses).
+RENDEZVOUS = PREFIX + "RENDEZVOUS"
 # Directory of the progress board (elasticd/board.py): a shared-memory slot per local worker, and where a worker
 # writes its stacks and flight-recorder dump when its daemon suspects a hang.
 BOARD = PREFIX + "BOARD"

@@ -61,6 +61,43 @@ class RunKeys:
         heartbeat in the rendezvous state to expire (rendezvous/lapsed.py)."""
         return f"{self.rdzv_alive_prefix}{name}"
 
+    # The lease rendezvous of ``elasticd start`` (rendezvous/lease_handler.py). Its lobby is what every node follows
+    # (one small record of the round and the nodes waiting for the next); a round's members are its joined keys.
+
+    @property
+    def rdzv_lobby_prefix(self) -> str:
+        return f"{self.prefix}rdzv/lobby/"
+
+    @property
+    def rdzv_round(self) -> str:
+        """The round in force: its number, open (taking joins) or formed, and whether the run's rendezvous is closed."""
+        return f"{self.rdzv_lobby_prefix}round"
+
+    @property
+    def rdzv_decider(self) -> str:
+        """Which node decides when the open round forms (its round and name), on that node's liveness lease."""
+        return f"{self.rdzv_lobby_prefix}decider"
+
+    @property
+    def rdzv_waiting_prefix(self) -> str:
+        return f"{self.rdzv_lobby_prefix}waiting/"
+
+    def rdzv_waiting(self, name: str) -> str:
+        """A node that came while a round trains and waits for the next one, on its node's liveness lease."""
+        return f"{self.rdzv_waiting_prefix}{name}"
+
+    @property
+    def rdzv_joined_root(self) -> str:
+        return f"{self.prefix}rdzv/joined/"
+
+    def rdzv_joined_prefix(self, round_: int) -> str:
+        return f"{self.rdzv_joined_root}{round_}/"
+
+    def rdzv_joined(self, round_: int, name: str) -> str:
+        """A node in round ``round_``, on its node's liveness lease: the round's members are these keys at the revision
+        that closed it, and a member's rank is the number of keys before its own."""
+        return f"{self.rdzv_joined_prefix(round_)}{name}"
+
     @property
     def nodes_prefix(self) -> str:
         return f"{self.prefix}nodes/"

@@ -60,8 +60,7 @@ from elasticd.worker.launch import worker_args
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from elasticd.agent.supervisor import ElasticdAgent
-    from elasticd.rendezvous.handler import ElasticdRendezvousHandler
+    from elasticd.agent.supervisor import DaemonHandler, ElasticdAgent
 
 # Seconds between two looks at a group that trains in place out of this node's reach (a partition).
 OUT_OF_REACH_POLL_S = 1.0
@@ -138,7 +137,6 @@ def run_daemon(cfg: StartConfig) -> int:
         check_daemon(log)  # before the modules that import torch's privates: a moved one refuses to start, exit 2
         from elasticd.agent.liveness import RoundLiveness, read_view
         from elasticd.agent.supervisor import ElasticdAgent
-        from elasticd.rendezvous.handler import create_handler
 
         _clear_previous_run(client, keys, cfg.node_id, log)
         runtime = RuntimeLayout.create()
@@ -151,8 +149,7 @@ def run_daemon(cfg: StartConfig) -> int:
             warm = warm_start.WarmStarts(cfg.script, log)
             worker_starts = warm.handlers
 
-        handler = create_handler(rendezvous_parameters(cfg))
-        handler.use_liveness_lease(lease.hold)
+        handler = _rendezvous_handler(cfg, lease)
         spec = WorkerSpec(
             role="default",
             local_world_size=cfg.nproc_per_node,
@@ -233,6 +230,19 @@ def run_daemon(cfg: StartConfig) -> int:
     return EXIT_GAVE_UP  # pragma: no cover - the with-block always returns
 
 
+def _rendezvous_handler(cfg: StartConfig, lease: NodeLease) -> DaemonHandler:
+    """The daemon's rendezvous: the lease rendezvous (``rendezvous/lease_handler.py``), or torch's dynamic one with
+    ``ELASTICD_RENDEZVOUS=torch`` (``rendezvous/handler.py``, as torchrun with ``--rdzv-backend etcd-v3`` has it)."""
+    from elasticd.rendezvous.handler import create_handler
+    from elasticd.rendezvous.lease_handler import create_lease_handler
+
+    if os.environ.get(envvars.RENDEZVOUS, "lease") == "torch":
+        handler = create_handler(rendezvous_parameters(cfg))
+        handler.use_liveness_lease(lease.hold)
+        return handler
+    return create_lease_handler(rendezvous_parameters(cfg), lease)
+
+
 def _warm_before_joining(
     warm: warm_start.WarmStarts | None, peers: Callable[[], list[dict[str, Any]]], node_id: str, log: Any
 ) -> None:
@@ -261,7 +271,7 @@ def _warm_before_joining(
     )
 
 
-def _run_agent(agent: ElasticdAgent, handler: ElasticdRendezvousHandler) -> int:
+def _run_agent(agent: ElasticdAgent, handler: DaemonHandler) -> int:
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousError
 

@@ -27,7 +27,9 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+from elasticd.agent import node_lease
 from elasticd.etcd.client import EtcdError
+from elasticd.rendezvous.lease_handler import LeaseRendezvousHandler
 
 # A daemon writes a rendezvous heartbeat every interval; one this many intervals old (2.5 s at elasticd's 1 s) means
 # it is stopped or dead: a live daemon's timer thread would have to miss two ticks in a row. Below torch's eviction
@@ -98,6 +100,12 @@ def read_view(handler: Any, wall: Callable[[], datetime] = lambda: datetime.now(
     """The rendezvous state as ``handler`` (torch's ``DynamicRendezvousHandler``) holds it, refreshed if older than
     torch's 1 s cache. Heartbeat ages are taken at the moment the state was read, so a cached state does not make
     a live node look stale. None when the state cannot be read (etcd away)."""
+    if isinstance(handler, LeaseRendezvousHandler):
+        reading = handler.liveness()
+        if reading is None:
+            return None
+        round_, complete, ages, mine = reading
+        return RoundView(round_, complete, ages, mine, interval_s=node_lease.TTL_S)
     try:
         with handler._heartbeat_lock:
             holder = handler._state_holder

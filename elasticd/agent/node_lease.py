@@ -79,6 +79,19 @@ class NodeLease:
         if self._lease is not None:
             self._current().put(key, value, lease_id=self._lease)
 
+    def hold_if(self, key: str, value: str, mod_revision: int) -> bool:
+        """:meth:`hold`, only if ``key``'s mod_revision is ``mod_revision`` (0: absent) now; True when written."""
+        lease = self._lease
+        if lease is None or not self._current().put_if(key, value, mod_revision, lease_id=lease).succeeded:
+            return False
+        self._also[key] = value
+        return True
+
+    def release(self, key: str) -> None:
+        """Stop keeping ``key`` (taken by :meth:`hold`) and delete it now."""
+        self._also.pop(key, None)
+        self._current().delete(key)
+
     def _keepalive(self) -> None:
         while not self._stop.wait(REFRESH_S):
             try:

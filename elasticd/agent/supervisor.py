@@ -47,8 +47,12 @@ from elasticd.membership import Membership
 from elasticd.metrics import Metrics
 from elasticd.rendezvous import faults as rdzv_faults
 from elasticd.rendezvous.handler import ElasticdRendezvousHandler
+from elasticd.rendezvous.lease_handler import LeaseRendezvousHandler
 from elasticd.rendezvous.liveness import RoundAbandonedError
 
+# The daemon's rendezvous handlers (agent/daemon.py picks one): private rounds, members lost while a round forms.
+DAEMON_HANDLERS = (ElasticdRendezvousHandler, LeaseRendezvousHandler)
+DaemonHandler = ElasticdRendezvousHandler | LeaseRendezvousHandler
 _NODE_KEY = "elasticd/node/"
 # The round's fencing token, published by its rank-0 agent in the round's store ("" when it could not be written).
 _TOKEN_KEY = "elasticd/token"
@@ -166,7 +170,7 @@ class ElasticdAgent(LocalElasticAgent):
         # a node that starts, or restarts its workers (they died, were left out, or fell back), joins the run's group
         # in place while it trains that way; after giving up on that once, through the rendezvous
         may_join = rounds.next_round_may_join()
-        if may_join and self._join_finder is not None and isinstance(handler, ElasticdRendezvousHandler):
+        if may_join and self._join_finder is not None and isinstance(handler, DAEMON_HANDLERS):
             joining = self._poll(self._join_finder, None)
             if joining is not None:
                 rounds.join(joining)
@@ -185,7 +189,7 @@ class ElasticdAgent(LocalElasticAgent):
                 # any membership change. Not a failure, and not one of --max-restarts.
                 self._round_abandoned(exc)
         previous = rounds.start(round_, members, token, round_token)
-        if isinstance(handler, ElasticdRendezvousHandler):
+        if isinstance(handler, DAEMON_HANDLERS):
             handler.end_round_watch()
             # Until the workers have formed their process group, a member lost from this round is a membership
             # change (workers would wait for a dead rank 0's store for torch's 30 min connect timeout).

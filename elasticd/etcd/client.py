@@ -16,7 +16,7 @@ import queue
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +30,8 @@ from elasticd import options as o
 from elasticd.endpoints import Endpoint, format_endpoints
 from elasticd.envvars import ETCD_PASSWORD
 from elasticd.errors import ConfigError, ElasticdError, EtcdAccessError, EtcdUnavailableError
+from elasticd.etcd.keepalive import KeepAliveStream, StreamBroken, keepalive_request
+from elasticd.etcd.ranges import RangeReads, check_prefix
 
 T = TypeVar("T")
 ErrorHook = Callable[[Exception], None]
@@ -113,7 +115,7 @@ class PutIfResult:
     current: tuple[bytes, int] | None
 
 
-class EtcdClient:
+class EtcdClient(RangeReads):
     """Typed etcd operations; all calls are serialised through one lock (pyetcd's failover state is not
     thread-safe), and each is bounded by the request timeout."""
 
@@ -134,6 +136,8 @@ class EtcdClient:
         self._reconnect = reconnect  # connect() again with the arguments that made this client
         self._election_grace_s = election_grace_s
         self._lock = threading.RLock()
+        # lease refreshes: one long-lived stream for all of this client's leases (keepalive.py)
+        self._keepalive = KeepAliveStream(self._open_keepalive, keepalive_request)
 
     @classmethod
     def connect(
@@ -242,19 +246,6 @@ class EtcdClient:
                     found[k] = bytes(kvs[0][0])
         return found
 
-    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
-        """(key, value, mod_revision) of every key under ``prefix``, in key order."""
-        _check_prefix(prefix)
-        pairs = self._call("get_prefix", lambda: list(self._raw.get_prefix(prefix)))
-        return [
-            (bytes(meta.key).decode("utf-8", "surrogateescape"), bytes(v), int(meta.mod_revision)) for v, meta in pairs
-        ]
-
-    def count_prefix(self, prefix: str) -> int:
-        _check_prefix(prefix)
-        response = self._call("count", lambda: self._raw.get_prefix_response(prefix, count_only=True))
-        return int(response.count)
-
     def put(self, key: str, value: bytes | str, lease_id: int | None = None) -> None:
         self._call("put", lambda: self._raw.put(key, value, lease=lease_id))
 
@@ -335,7 +326,7 @@ class EtcdClient:
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under ``prefix``; returns how many there were."""
-        _check_prefix(prefix)
+        check_prefix(prefix)
         return int(self._call("delete_prefix", lambda: self._raw.delete_prefix(prefix)).deleted)
 
     def revision(self, key: str = "\0") -> int:
@@ -351,8 +342,21 @@ class EtcdClient:
 
     def refresh_lease(self, lease_id: int) -> bool:
         """Reset the lease's TTL; False when etcd no longer knows it (expired or revoked)."""
+        try:
+            return self._keepalive.refresh(lease_id, float(self._raw.timeout)) > 0
+        except TimeoutError as exc:
+            error = EtcdError("refresh_lease", self._endpoint_label(), "DEADLINE_EXCEEDED", str(exc))
+            self._report(error)
+            raise error from None
+        except StreamBroken:
+            pass  # the old way, a stream of its own: reported and failed over as any call (keepalive.py)
         responses = self._call("refresh_lease", lambda: list(self._raw.refresh_lease(lease_id)))
         return bool(responses) and int(responses[0].TTL) > 0
+
+    def _open_keepalive(self, requests: Iterator[Any]) -> Any:
+        with self._lock:
+            raw = self._raw
+            return raw.leasestub.LeaseKeepAlive(requests, credentials=raw.call_credentials, metadata=raw.metadata)
 
     def revoke_lease(self, lease_id: int) -> None:
         """Revoke the lease and delete its keys; a lease already gone is not an error."""
@@ -386,7 +390,7 @@ class EtcdClient:
         events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         kwargs: dict[str, Any] = {"start_revision": start_revision}
         if prefix:
-            _check_prefix(key_or_prefix)
+            check_prefix(key_or_prefix)
             kwargs["range_end"] = pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(key_or_prefix))
         watch_id = self._call("watch", lambda: self._raw.add_watch_callback(key_or_prefix, events.put, **kwargs))
         try:
@@ -410,6 +414,7 @@ class EtcdClient:
         return True
 
     def close(self) -> None:
+        self._keepalive.close()
         with self._lock:
             self._raw.close()
 
@@ -512,12 +517,6 @@ def _raw_client(
         # which is what etcd reads (loopback, or a network the operator trusts).
         raw.call_credentials = None
     return raw
-
-
-def _check_prefix(prefix: str) -> None:
-    # etcd reads an empty range start as "no key"; elasticd never means "the whole keyspace".
-    if not prefix:
-        raise ValueError("an etcd key prefix must not be empty")
 
 
 def _translate(operation: str, endpoint: str, exc: BaseException) -> EtcdError:

@@ -298,30 +298,35 @@ def create_handler(params: RendezvousParameters) -> ElasticdRendezvousHandler:
     ``last_call_timeout``, ``close_timeout``, ``heartbeat_timeout`` (seconds), ``keep_alive_interval`` (whole
     seconds), ``keep_alive_max_attempt``. Raises ConfigError for bad parameters and EtcdUnavailableError when
     etcd does not answer in time."""
+    return build_handler(connect(params), params)
+
+
+def connect(params: RendezvousParameters) -> EtcdClient:
+    """A client of the etcd that ``params`` name (endpoints, TLS, user), checked first: ConfigError for a bad run id or
+    endpoint, EtcdUnavailableError when etcd does not answer within ``connect_timeout``."""
     reason = validate_run_id(params.run_id)
     if reason is not None:
         raise ConfigError("--rdzv-id", f"{params.run_id!r}: {reason}")
     endpoints = parse_endpoints(params.endpoint, key="--rdzv-endpoint")
-    client = EtcdClient.connect(
+    return EtcdClient.connect(
         endpoints,
-        connect_timeout_s=_seconds(params, "connect_timeout", CONNECT_TIMEOUT_S),
+        connect_timeout_s=seconds_option(params, "connect_timeout", CONNECT_TIMEOUT_S),
         ca_cert=params.get("cacert"),
         cert=params.get("cert"),
         key=params.get("key"),
         user=params.get("user"),
         password=params.get("password"),
     )
-    return build_handler(client, params)
 
 
 def build_handler(client: EtcdClient, params: RendezvousParameters) -> ElasticdRendezvousHandler:
     """A handler over ``client`` (connected; :func:`create_handler` makes one per handler, ``bench/control_plane.py``
     shares one among many simulated nodes), with ``params``' elastic range, timings and ids."""
     timeout = RendezvousTimeout(
-        join=timedelta(seconds=_seconds(params, "join_timeout", JOIN_TIMEOUT_S)),
-        last_call=timedelta(seconds=_seconds(params, "last_call_timeout", LAST_CALL_TIMEOUT_S)),
-        close=timedelta(seconds=_seconds(params, "close_timeout", CLOSE_TIMEOUT_S)),
-        heartbeat=timedelta(seconds=_seconds(params, "heartbeat_timeout", HEARTBEAT_TIMEOUT_S)),
+        join=timedelta(seconds=seconds_option(params, "join_timeout", JOIN_TIMEOUT_S)),
+        last_call=timedelta(seconds=seconds_option(params, "last_call_timeout", LAST_CALL_TIMEOUT_S)),
+        close=timedelta(seconds=seconds_option(params, "close_timeout", CLOSE_TIMEOUT_S)),
+        heartbeat=timedelta(seconds=seconds_option(params, "heartbeat_timeout", HEARTBEAT_TIMEOUT_S)),
     )
     keys = RunKeys(params.run_id)
     backend = EtcdV3RendezvousBackend(client, params.run_id)
@@ -356,7 +361,7 @@ def register() -> None:
     rendezvous_handler_registry.register(BACKEND_NAME, create_handler)
 
 
-def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
+def seconds_option(params: RendezvousParameters, key: str, default: float) -> float:
     value = params.get(key, default)
     try:
         seconds = float(value)

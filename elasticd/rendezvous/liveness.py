@@ -103,21 +103,39 @@ class RoundWatch:
     def __init__(
         self,
         round_: int,
-        members: Mapping[str, int] | Collection[str],
+        members: Mapping[str, int] | Collection[str] | Callable[[], Mapping[str, int]],
         read: Callable[[], RoundView | None],
         *,
         interval_s: float = CHECK_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.round = round_
-        self.members = frozenset(members)
-        self.ranks: dict[str, int] = dict(members) if isinstance(members, Mapping) else {}
+        # a callable is asked once, when a member is first looked for (a large round's names are read only if needed)
+        self._load = members if callable(members) else None
+        self._members = frozenset() if callable(members) else frozenset(members)
+        self._ranks: dict[str, int] = dict(members) if isinstance(members, Mapping) else {}
         self._read = read
         self._interval_s = interval_s
         self._clock = clock
         self._decided_at = clock()
         self._next_check = self._decided_at + interval_s
         self.active = True
+
+    @property
+    def members(self) -> frozenset[str]:
+        self._loaded()
+        return self._members
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """Each member's group rank (empty when the round was given as names alone)."""
+        self._loaded()
+        return self._ranks
+
+    def _loaded(self) -> None:
+        if self._load is not None:
+            ranks = dict(self._load())
+            self._load, self._members, self._ranks = None, frozenset(ranks), ranks
 
     @property
     def interval_s(self) -> float:

@@ -12,6 +12,7 @@ import pickle
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
+from elasticd.rendezvous.lease_round import RoundRecord
 
 
 def clear_finished_run(client: EtcdClient, keys: RunKeys) -> list[str]:
@@ -29,6 +30,15 @@ def clear_finished_run(client: EtcdClient, keys: RunKeys) -> list[str]:
         if closed and client.delete_if_revision(keys.rdzv_state, revision):
             client.delete_prefix(keys.store_prefix)
             removed.append("closed rendezvous")
+    record = client.get(keys.rdzv_round)  # the lease rendezvous's (lease_handler.py)
+    if (
+        record is not None
+        and RoundRecord.decode(record[0]).closed
+        and client.delete_if_revision(keys.rdzv_round, record[1])
+    ):
+        for prefix in (keys.rdzv_lobby_prefix, keys.rdzv_joined_root, keys.store_prefix):
+            client.delete_prefix(prefix)
+        removed.append("closed rendezvous")
     if client.get_prefix(keys.control_prefix):
         client.delete_prefix(keys.control_prefix)
         removed.append("control requests")

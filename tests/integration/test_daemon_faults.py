@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from elasticd import envvars
 from elasticd.etcd.server import EmbeddedEtcd
 from tests.integration.cluster import Cluster, Node, leftover_processes, step_after, train_args, wait_until
 
@@ -94,7 +95,8 @@ def test_node_killed_survivors_reform_at_smaller_size_and_continue(
 def test_a_cold_restart_after_a_kill_does_not_wait_for_the_dead_nodes_rendezvous_heartbeat(
     etcd: EmbeddedEtcd, tmp_path: Path
 ) -> None:
-    # The killed node's heartbeat in the rendezvous state would hold the next round for 60 s (keep_alive_max_attempt);
+    # torch's dynamic rendezvous (ELASTICD_RENDEZVOUS=torch; the lease rendezvous has no heartbeat to wait for): the
+    # killed node's heartbeat in the rendezvous state would hold the next round for 60 s (keep_alive_max_attempt);
     # its daemon's name on its liveness lease is gone in about a second, and the survivors drop it then
     # (rendezvous/lapsed.py). Without that, no step at world size 2 comes within the wait below.
     names = ["lp-a", "lp-b", "lp-c"]
@@ -106,6 +108,7 @@ def test_a_cold_restart_after_a_kill_does_not_wait_for_the_dead_nodes_rendezvous
         max_nodes=3,
         script_args=train_args(80),
         extra=("--recovery", "cold", "--rdzv-conf", "keep_alive_max_attempt=60"),
+        env={envvars.RENDEZVOUS: "torch"},
     ) as c:
         for name in names:
             c.start(name)

@@ -31,8 +31,10 @@ from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.membership import Bid
 
-# How long one watch call lasts before it is renewed (seconds); a change wakes it at once.
-_WATCH_SLICE_S = 5.0
+# How long one watch call lasts before it is renewed (seconds); a change wakes it at once. Each renewal reads the
+# notice, the leases, the bids and the leavers again: at 5 s that was half of a node's steady etcd traffic
+# (bench/control_plane.py).
+_WATCH_SLICE_S = 30.0
 # After an etcd error, wait this long before watching again (seconds).
 _RETRY_S = 0.5
 # A lease seen gone within this long of this watch's own last etcd error is believed only if it stays gone that long

@@ -1,0 +1,67 @@
+"""Reads of key ranges, mixed into :class:`~elasticd.etcd.client.EtcdClient`: prefixes, counts, keys alone, and reads
+as of an earlier revision (``rendezvous/lease_handler.py`` ranks a round's members by counting at the revision that
+formed it). Each goes through the client's ``_call`` (its lock, timeout and error translation)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+T = TypeVar("T")
+
+
+def check_prefix(prefix: str) -> None:
+    # etcd reads an empty range start as "no key"; elasticd never means "the whole keyspace".
+    if not prefix:
+        raise ValueError("an etcd key prefix must not be empty")
+
+
+class RangeReads:
+    """The range reads of an etcd client (see the module docstring)."""
+
+    _raw: Any  # pyetcd's client
+
+    if TYPE_CHECKING:
+
+        def _call(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T: ...
+
+    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
+        """(key, value, mod_revision) of every key under ``prefix``, in key order."""
+        check_prefix(prefix)
+        pairs = self._call("get_prefix", lambda: list(self._raw.get_prefix(prefix)))
+        return [
+            (bytes(meta.key).decode("utf-8", "surrogateescape"), bytes(v), int(meta.mod_revision)) for v, meta in pairs
+        ]
+
+    def read_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
+        """:meth:`get_prefix` and the store's revision it was read at (a watch from the next one misses nothing)."""
+        check_prefix(prefix)
+        response = self._call("get_prefix", lambda: self._raw.get_prefix_response(prefix))
+        items = [
+            (bytes(kv.key).decode("utf-8", "surrogateescape"), bytes(kv.value), int(kv.mod_revision))
+            for kv in response.kvs
+        ]
+        return items, int(response.header.revision)
+
+    def count_prefix(self, prefix: str) -> int:
+        check_prefix(prefix)
+        response = self._call("count", lambda: self._raw.get_prefix_response(prefix, count_only=True))
+        return int(response.count)
+
+    def count_range(self, start: str, end: str, revision: int | None = None) -> int:
+        """How many keys lie in ``[start, end)`` as of ``revision`` (None: now): one small answer whatever the count."""
+        kwargs: dict[str, Any] = {"range_end": end, "count_only": True}
+        if revision is not None:
+            kwargs["revision"] = revision
+        return int(self._call("count", lambda: self._raw.get_response(start, **kwargs)).count)
+
+    def keys_under(self, prefix: str, *, limit: int = 0, revision: int | None = None) -> list[str]:
+        """The keys under ``prefix`` in key order (the first ``limit`` when it is > 0), without their values."""
+        check_prefix(prefix)
+        kwargs: dict[str, Any] = {"keys_only": True}
+        if limit > 0:
+            kwargs["limit"] = limit
+        if revision is not None:
+            kwargs["revision"] = revision
+        response = self._call("get_prefix", lambda: self._raw.get_prefix_response(prefix, **kwargs))
+        return [bytes(kv.key).decode("utf-8", "surrogateescape") for kv in response.kvs]
