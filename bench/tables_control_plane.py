@@ -110,7 +110,32 @@ def control_plane_table(results: dict[str, Any]) -> str:
             notes.append(f"- {design}, fitted growth: " + "; ".join(fits))
         at_target = next((r for r in summary if r["nodes"] == TARGET_NODES), None)
         notes.append(f"- {design}, issue 28's targets at {TARGET_NODES:,} nodes: {_verdict(at_target)}")
+    notes.extend(_ratios(results.get("designs", {})))
     return "\n".join([*lines, "", *notes]) + "\n"
+
+
+def _ratios(designs: dict[str, Any], base: str = "today", new: str = "lease") -> list[str]:
+    """Each figure of ``base`` over ``new``'s at every N both reached, from the one run: how many times better."""
+    if base not in designs or new not in designs:
+        return []
+    rows = {design: {r["nodes"]: r for r in designs[design]["summary"]} for design in (base, new)}
+    parts = []
+    for label, pick in (
+        ("first round formed", lambda r: _median(r, "form_s")),
+        ("re-form after a loss", lambda r: _median(r, "loss_s")),
+        ("join", lambda r: _median(r, "join_s")),
+        ("steady bytes per node", lambda r: (r.get("steady") or {}).get("bytes_per_node_per_s")),
+    ):
+        each = []
+        for nodes in sorted(set(rows[base]) & set(rows[new])):
+            before, after = pick(rows[base][nodes]), pick(rows[new][nodes])
+            if before and after:
+                each.append(f"N = {nodes}: {before / after:.1f}x")
+            elif after and not before:
+                each.append(f"N = {nodes}: {base} x, {new} {after:.2f}")
+        if each:
+            parts.append(f"{label} ({', '.join(each)})")
+    return [f"- {base} over {new}, in this one run: " + "; ".join(parts)] if parts else []
 
 
 def _verdict(row: dict[str, Any] | None) -> str:

@@ -44,3 +44,17 @@ def test_medians_per_n_and_a_design_that_did_not_form_is_reported_with_its_cost(
     assert "| today | 8 | **2.00** (1.00, 3.00, 2.00)" in table
     assert "today, N = 64: not formed within 60 s (3 of 64 nodes had a rank)" in table
     assert "issue 28's targets at 1,024 nodes: not measured" in table
+
+
+def test_both_designs_of_one_run_are_compared_as_ratios_at_every_n_both_reached() -> None:
+    today = control_plane.summarize([_trial(8, 0, 2.0, 1600.0), _trial(64, 0, None)])
+    lease = control_plane.summarize([_trial(8, 0, 0.5, 400.0), _trial(64, 0, 1.0, 3200.0)])
+    table = control_plane_table(
+        {
+            "config": {"trials": 1, "form_timeout": 60.0},
+            "designs": {"today": {"summary": today}, "lease": {"summary": lease}},
+        }
+    )
+    ratios = next(line for line in table.splitlines() if line.startswith("- today over lease"))
+    assert "first round formed (N = 8: 4.0x, N = 64: today x, lease 1.00)" in ratios
+    assert "steady bytes per node (N = 8: 4.0x, N = 64: today x, lease 50.00)" in ratios
