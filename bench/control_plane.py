@@ -29,6 +29,7 @@ Needs root (network namespaces), as the suite's host tests.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import queue
 import shutil
@@ -38,7 +39,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -328,13 +329,17 @@ def summarize(trials: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def run_design(args: argparse.Namespace, design: str) -> list[dict[str, Any]]:
-    """Every N's trials of one design; a design that did not form at some N is not run at larger N."""
+def run_design(
+    args: argparse.Namespace, design: str, keep: Callable[[list[dict[str, Any]]], None] = lambda _trials: None
+) -> list[dict[str, Any]]:
+    """Every N's trials of one design; a design that did not form at some N is not run at larger N. ``keep(trials)``
+    after each trial: the results so far are written, so a run stopped midway keeps what it measured."""
     trials: list[dict[str, Any]] = []
     for nodes in sorted(args.nodes):
         for index in range(args.trials):
             result = trial(args, design, nodes, index, args.workdir)
             trials.append(result)
+            keep(trials)
             print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}), file=sys.stderr)
             if "form_s" not in result:
                 return trials
@@ -365,11 +370,15 @@ def main(argv: list[str] | None = None) -> int:
     report["config"] = {**config, "etcd": "3 members, etcd's default timing (100 ms heartbeat, 1 s election)"}
     began = time.monotonic()
     report["designs"] = {}
-    for design in args.designs:
-        trials = run_design(args, design)
+    path = args.json or results_path("control_plane", revision)
+
+    def keep(design: str, trials: list[dict[str, Any]]) -> None:
         report["designs"][design] = {"trials": trials, "summary": summarize(trials)}
-    report["duration_s"] = round(time.monotonic() - began, 1)
-    write_results(args.json or results_path("control_plane", revision), report)
+        report["duration_s"] = round(time.monotonic() - began, 1)
+        write_results(path, report)
+
+    for design in args.designs:
+        keep(design, run_design(args, design, functools.partial(keep, design)))
     draw(report, args.png)
     return 0
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 
 from elasticd.errors import ElasticdError
-from elasticd.etcd.client import EtcdClient, EtcdError
+from elasticd.etcd.client import EtcdClient, EtcdError, EtcdLeaseNotFoundError
 from elasticd.keys import RunKeys
 
 TTL_S = 1
@@ -77,13 +77,17 @@ class NodeLease:
         """Keep ``key`` on this lease too: written now, and again with every new lease."""
         self._also[key] = value
         if self._lease is not None:
-            self._current().put(key, value, lease_id=self._lease)
+            with contextlib.suppress(EtcdLeaseNotFoundError):  # lapsed: the next tick's new lease puts every held key
+                self._current().put(key, value, lease_id=self._lease)
 
     def hold_if(self, key: str, value: str, mod_revision: int) -> bool:
         """:meth:`hold`, only if ``key``'s mod_revision is ``mod_revision`` (0: absent) now; True when written."""
         lease = self._lease
-        if lease is None or not self._current().put_if(key, value, mod_revision, lease_id=lease).succeeded:
-            return False
+        try:
+            if lease is None or not self._current().put_if(key, value, mod_revision, lease_id=lease).succeeded:
+                return False
+        except EtcdLeaseNotFoundError:
+            return False  # lapsed: not held (the next tick grants a new lease)
         self._also[key] = value
         return True
 

@@ -145,3 +145,13 @@ def test_shutdown_closes_the_rendezvous_for_every_node(make: Callable[..., Node]
     assert nodes[1].handler.is_closed()
     with pytest.raises(RendezvousClosedError):
         nodes[1].handler.next_rendezvous()
+
+
+def test_a_round_forms_although_a_node_s_lease_lapsed_as_it_joined(make: Callable[..., Node]) -> None:
+    # etcd forgot the lease (it expired while the node was descheduled, etcd restarted): the join's put names a lease
+    # etcd no longer knows. The node lease's next tick grants a new one and puts the joined key on it.
+    nodes = [make(2, 2) for _ in range(2)]
+    lease = nodes[0].lease
+    assert lease._lease is not None
+    lease._current().revoke_lease(lease._lease)
+    assert sorted(_form(nodes)) == [(0, 2, 0), (1, 2, 0)]
