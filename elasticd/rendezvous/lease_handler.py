@@ -60,6 +60,10 @@ DECIDE_POLL_S = 0.05
 WAIT_SLICE_S = 1.0
 # A view of the forming round for the members-lost check is reused this long (seconds; torch's state cache: 1 s).
 VIEW_CACHE_S = 0.5
+# A rendezvous goes on through etcd errors for this long (seconds: an election, a member restarting, a host too busy
+# to answer a watch in time), looking again every RETRY_S; an etcd away longer fails it, as torch's does at once.
+ETCD_OUTAGE_S = 30.0
+RETRY_S = 0.5
 
 _local_ids = itertools.count()  # torch's node descriptors number the handlers of one process the same way
 
@@ -240,18 +244,19 @@ class LeaseRendezvousHandler(RendezvousHandler):
         try:
             if record.round != self._member_of:
                 return record.round, not record.open, {}, None
-            ranks = self._ranks_at_formation()
-            alive = set(self._client.keys_under(self._keys.rdzv_joined_prefix(record.round)))
+            ranks, alive = self._ranks_at_formation(), self._names(self._keys.rdzv_joined_prefix(record.round))
         except EtcdError:
             return None
-        prefix = self._keys.rdzv_joined_prefix(record.round)
-        live = {rank: 0.0 for name, rank in ranks.items() if prefix + name in alive}
+        live = {rank: 0.0 for name, rank in ranks.items() if name in alive}
         mine = ranks.get(self.member)
         return record.round, True, live, mine if mine in live else None
 
     # -- the protocol -------------------------------------------------------------------------------------------
 
     def _join(self, deadline: float) -> int:
+        return _through_outages(lambda: self._take_part(deadline), self._clock, deadline)
+
+    def _take_part(self, deadline: float) -> int:
         """Take part in rounds until one forms with this node in it; its number (rank and world set)."""
         seen = self._lobby.read_now()
         while True:
@@ -319,9 +324,8 @@ class LeaseRendezvousHandler(RendezvousHandler):
         self.formed_by = reason
         if reason == "everyone_in":
             self.closed_early += 1
-            get_logger().info(
-                "rendezvous_closed_early", round=round_, nodes=joined, last_call_skipped_s=self._last_call_s
-            )
+            skipped = self._last_call_s
+            get_logger().info("rendezvous_closed_early", round=round_, nodes=joined, last_call_skipped_s=skipped)
 
     def _in_and_to_come(self, round_: int) -> tuple[set[str], set[str]]:
         """Names in open round ``round_``, and those expected: live members of the round before, nodes waiting."""
@@ -423,6 +427,21 @@ class LeaseRendezvousHandler(RendezvousHandler):
             on_lost, self._on_lost = self._on_lost, None
             on_lost({m: watch.ranks.get(m, -1) for m in lost}, {m: watch.ranks.get(m, -1) for m in left})
         return len(lost) + len(left)
+
+
+def _through_outages(attempt: Callable[[], int], clock: Callable[[], float], deadline: float) -> int:
+    """``attempt()``, again while etcd answers with errors for up to :data:`ETCD_OUTAGE_S` (not past ``deadline``)."""
+    failing_since: float | None = None
+    while True:
+        try:
+            return attempt()
+        except EtcdError as exc:
+            now = clock()
+            failing_since = now if failing_since is None else failing_since
+            if exc.refused or now - failing_since > ETCD_OUTAGE_S or now > deadline:
+                raise
+            get_logger().warning("rendezvous_etcd_retry", error=str(exc), failing_s=round(now - failing_since, 1))
+            time.sleep(RETRY_S)
 
 
 def _prefix_end(prefix: str) -> str:

@@ -50,7 +50,6 @@ class Lobby:
         self._keys = keys
         self._changed = threading.Condition()
         self._seen: LobbySeen | None = None
-        self._error: EtcdError | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -73,8 +72,8 @@ class Lobby:
         return self._publish(self._read()[0])
 
     def wait_newer(self, than: LobbySeen | None, timeout_s: float) -> LobbySeen | None:
-        """Wait up to ``timeout_s`` for a reading other than ``than``; the latest one either way. Raises the watch's
-        last EtcdError when etcd stayed away meanwhile."""
+        """Wait up to ``timeout_s`` for a reading other than ``than``; the latest one either way (while the watch
+        fails, the caller's own reads say whether etcd is away)."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while self._seen is than and not self._stop.is_set():
@@ -82,8 +81,6 @@ class Lobby:
                 if remaining <= 0:
                     break
                 self._changed.wait(remaining)
-            if self._seen is than and self._error is not None:
-                raise self._error
             return self._seen
 
     def _read(self) -> tuple[LobbySeen, int]:
@@ -106,7 +103,7 @@ class Lobby:
         with self._changed:
             if self._seen is not None and seen.same(self._seen):
                 return self._seen  # nothing new: waiters keep waiting
-            self._seen, self._error = seen, None
+            self._seen = seen
             self._changed.notify_all()
             return seen
 
@@ -116,8 +113,5 @@ class Lobby:
                 seen, revision = self._read()
                 self._publish(seen)
                 self._client.wait_for_change(self._keys.rdzv_lobby_prefix, revision + 1, WATCH_SLICE_S, prefix=True)
-            except EtcdError as exc:
-                with self._changed:
-                    self._error = exc
-                    self._changed.notify_all()
-                self._stop.wait(RETRY_S)
+            except EtcdError:
+                self._stop.wait(RETRY_S)  # etcd away or slow: the rendezvous's own reads say so to its caller
