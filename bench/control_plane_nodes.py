@@ -10,7 +10,8 @@ A simulated node is what a daemon and its one worker put into etcd, made of the 
   (:class:`~elasticd.liveness_probe.ProbeListener`, which the deciders probe), the failure watch
   (:class:`~elasticd.worker.hot.watch.FailureWatch`), and bids and decisions through
   :class:`~elasticd.membership.Membership` with the deciders' verdicts
-  (:class:`~elasticd.worker.hot.verdicts.Verdicts`), in the loop ``worker/hot/session.py``'s ``_decide`` runs.
+  (:class:`~elasticd.worker.hot.verdicts.Verdicts`), decided as ``worker/hot/session.py``'s ``_decide`` does it
+  (``worker/hot/decide.py``: one decider, the others wait).
 
 What differs from a real node, and why it does not change what etcd sees: no torch process group and no training (a
 step boundary is a look every :data:`STEP_S` at whether a joiner waits); a kill stops the node's threads and closes its
@@ -48,6 +49,7 @@ from elasticd.liveness_probe import ProbeListener
 from elasticd.membership import Bid, Epoch, Membership
 from elasticd.rendezvous.handler import build_handler
 from elasticd.rendezvous.lease_handler import create_lease_handler
+from elasticd.worker.hot.decide import decide
 from elasticd.worker.hot.verdicts import Verdicts
 from elasticd.worker.hot.watch import FailureWatch
 
@@ -57,7 +59,6 @@ DESIGNS = ("today", "lease")
 STEP_S = 0.1
 # A member's wait for an epoch to be decided before it gives up (session.py's DECIDE_TIMEOUT_S is 120 s).
 DECIDE_TIMEOUT_S = 120.0
-_DECIDE_POLL_S = 0.05  # as session.py's
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -167,26 +168,24 @@ class SimNode:
         return decision
 
     def _decide(self, target: int, reason: str) -> Epoch:
+        """As ``session._decide``: one decider (``worker/hot/decide.py``), the others wait for its decision."""
         assert self.group is not None
-        deadline = time.monotonic() + DECIDE_TIMEOUT_S
-        verdicts = self._verdicts()
-        while True:
-            before = self.client.revision()
-            decision = self.membership.try_decide(
+        group, verdicts = self.group, self._verdicts()
+
+        def attempt() -> Epoch | None:
+            return self.membership.try_decide(
                 target,
-                self.group.members,
+                group.members,
                 lambda m: verdicts.is_dead(m, target - 1),
                 min_members=1,
                 round_=0,
                 reason=reason,
-                fence=self.group.fence,
+                fence=group.fence,
                 out=lambda m: verdicts.is_out(m, target - 1),
             )
-            if decision is not None:
-                return decision
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"epoch {target} was not decided within {DECIDE_TIMEOUT_S:g} s")
-            self.client.wait_for_change(self.keys.membership_prefix, before + 1, _DECIDE_POLL_S, True)
+
+        is_dead = lambda m: verdicts.is_dead(m, target - 1)  # noqa: E731
+        return decide(self.membership, target, group.members, self.member, is_dead, attempt, DECIDE_TIMEOUT_S)
 
     def _enter(self, decision: Epoch) -> None:
         assert self.group is not None

@@ -131,6 +131,18 @@ class RunKeys:
         return f"{self.membership_bids_prefix(epoch)}{member}"
 
     @property
+    def membership_joiners_root(self) -> str:
+        return f"{self.prefix}membership/joiners/"
+
+    def membership_joiners_prefix(self, epoch: int) -> str:
+        return f"{self.membership_joiners_root}{epoch:012d}/"
+
+    def membership_joiner(self, epoch: int, member: str) -> str:
+        """A joiner's bid for ``epoch`` is in (written after its bid): the members count these, never the bids, so that
+        an epoch's N bids wake one decider instead of N watchers."""
+        return f"{self.membership_joiners_prefix(epoch)}{member}"
+
+    @property
     def membership_prefix(self) -> str:
         """Everything hot recovery's workers watch: epochs, bids, failure notices, members, node liveness."""
         return f"{self.prefix}membership/"
@@ -138,7 +150,10 @@ class RunKeys:
     def membership_notice(self, group: str, epoch: int) -> str:
         """A member of ``epoch`` of ``group`` (the round's first token) saw a step fail (its reason): releases members
         still waiting in a collective. Per group: a round that fell back cold leaves its notice behind."""
-        return f"{self.prefix}membership/notice/{group}/{epoch:012d}"
+        return f"{self.membership_notices_prefix(group)}{epoch:012d}"
+
+    def membership_notices_prefix(self, group: str) -> str:
+        return f"{self.prefix}membership/notice/{group}/"
 
     def membership_out(self, group: str, epoch: int, node_id: str) -> str:
         """A node convicted by a hang agreement of ``epoch`` of ``group`` takes its workers out of it (written before

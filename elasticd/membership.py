@@ -4,6 +4,7 @@ Keys of a run (``elasticd/keys.py``)::
 
     membership/epoch                    the decision in force: number, members in rank order, heal source, token
     membership/bids/<epoch>/<member>    a member's bid to be in that epoch: its old rank and committed step
+    membership/joiners/<epoch>/<member> beside a joiner's bid: what the members watch (never the bids themselves)
 
 After a failure every surviving member bids for the next epoch (a joiner bids with no old rank). The epoch is decided
 by whichever member first sees every member of the current epoch either bid or declared dead by the daemons'
@@ -138,7 +139,7 @@ class Membership:
 
     def bid(self, epoch: int, bid: Bid) -> None:
         """Ask to be in ``epoch`` (rewritten, never deleted, if asked again)."""
-        self._client.put(self._keys.membership_bid(epoch, bid.member), bid.encode())
+        self._client.put_all(bid_items(self._keys, epoch, [bid]))
 
     def bids(self, epoch: int) -> dict[str, Bid]:
         found = self._client.get_prefix(self._keys.membership_bids_prefix(epoch))
@@ -250,4 +251,29 @@ class Membership:
 
     def forget(self, epoch: int) -> int:
         """Remove the bids for ``epoch``; call once a later epoch is in force (nobody reads them any more)."""
+        self._client.delete_prefix(self._keys.membership_joiners_prefix(epoch))
         return self._client.delete_prefix(self._keys.membership_bids_prefix(epoch))
+
+    def revision(self) -> int:
+        """The store's revision now (a wait from the next one misses nothing written after this read)."""
+        return self._client.revision()
+
+    def count_bids(self, epoch: int) -> int:
+        """How many bids ``epoch`` has (one small answer whatever the count)."""
+        return self._client.count_prefix(self._keys.membership_bids_prefix(epoch))
+
+    def wait_for_bids(self, epoch: int, revision: int, timeout_s: float) -> bool:
+        """Wait until a bid for ``epoch`` changes after ``revision`` (False: none did within ``timeout_s``)."""
+        bids = self._keys.membership_bids_prefix(epoch)
+        return self._client.wait_for_change(bids, revision + 1, timeout_s, prefix=True)
+
+
+def bid_items(keys: RunKeys, epoch: int, bids: Collection[Bid]) -> dict[str, bytes | str]:
+    """The keys of ``bids`` for ``epoch``, for one transaction: each bid, and a joiner's mark beside its bid
+    (``membership_joiner``: what the members' failure watches count)."""
+    items: dict[str, bytes | str] = {}
+    for bid in bids:
+        items[keys.membership_bid(epoch, bid.member)] = bid.encode()
+        if bid.old_rank is None:
+            items[keys.membership_joiner(epoch, bid.member)] = bid.member
+    return items

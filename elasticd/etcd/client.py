@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import queue
 import socket
 import ssl
 import threading
@@ -29,9 +28,11 @@ import tenacity
 from elasticd import options as o
 from elasticd.endpoints import Endpoint, format_endpoints
 from elasticd.envvars import ETCD_PASSWORD
-from elasticd.errors import ConfigError, ElasticdError, EtcdAccessError, EtcdUnavailableError
+from elasticd.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
+from elasticd.etcd.errors import REFUSED_CODES, EtcdError, EtcdLeaseNotFoundError
 from elasticd.etcd.keepalive import KeepAliveStream, StreamBroken, keepalive_request
 from elasticd.etcd.ranges import RangeReads, check_prefix
+from elasticd.etcd.watches import Watches
 
 T = TypeVar("T")
 ErrorHook = Callable[[Exception], None]
@@ -73,38 +74,9 @@ _ACCESS_DENIED = (
 )
 
 
-# What etcd answers while it elects a leader or has no quorum, and what a call to a dead member ends in (pyetcd: "No
-# endpoint available"): worth a retry within a client's election grace (``connect``'s).
-_ELECTION = ("leader changed", "no leader", "not leader", "request timed out", "timed out waiting for read index", "context deadline exceeded", "No endpoint available")  # fmt: skip  # noqa: E501
-_RETRY_CODES = ("UNAVAILABLE", "DEADLINE_EXCEEDED")
-_REFUSED_CODES = ("UNAUTHENTICATED", "PERMISSION_DENIED")  # etcd's permissions said no: the same answer again
 _READS = frozenset({"get", "get_prefix", "count", "revision", "lease_ttl"})  # safe to ask twice
 # Between two attempts within the grace (seconds): about an etcd heartbeat, at most a few.
 _ELECTION_RETRY_WAIT = tenacity.wait_exponential(multiplier=0.05, min=0.05, max=0.5)
-
-
-class EtcdError(ElasticdError):
-    """An etcd call failed; ``operation``, ``endpoint`` and the gRPC ``code`` name say where and why."""
-
-    def __init__(self, operation: str, endpoint: str, code: str, detail: str) -> None:
-        super().__init__(f"etcd {operation} at {endpoint} failed: {code or 'error'}: {detail}")
-        self.operation = operation
-        self.endpoint = endpoint
-        self.code = code
-
-    @property
-    def transient(self) -> bool:
-        """An answer of an election in progress or of an unreachable member: another member may serve a retry."""
-        return self.code in _RETRY_CODES or any(m in str(self) for m in _ELECTION)
-
-    @property
-    def refused(self) -> bool:
-        """etcd answered no for good (authentication, permissions): asking again gets the same answer."""
-        return self.code in _REFUSED_CODES or "permission denied" in str(self).lower()
-
-
-class EtcdLeaseNotFoundError(EtcdError):
-    """A write named a lease that etcd no longer knows (expired, revoked, or etcd lost its data)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +87,7 @@ class PutIfResult:
     current: tuple[bytes, int] | None
 
 
-class EtcdClient(RangeReads):
+class EtcdClient(RangeReads, Watches):
     """Typed etcd operations; all calls are serialised through one lock (pyetcd's failover state is not
     thread-safe), and each is bounded by the request timeout."""
 
@@ -381,38 +353,6 @@ class EtcdClient(RangeReads):
 
     # -- watches -------------------------------------------------------------------------------------------
 
-    def wait_for_change(self, key_or_prefix: str, start_revision: int, timeout_s: float, prefix: bool = False) -> bool:
-        """Block until the key (or any key under the prefix) changes at a revision >= ``start_revision``.
-
-        Returns False when ``timeout_s`` passed without a change. True may be spurious (a broken watch stream,
-        e.g. etcd restarting, is reported to ``on_error`` and returns True): callers re-read and wait again,
-        so no change is missed and a lasting outage surfaces as an EtcdError from the re-read."""
-        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        kwargs: dict[str, Any] = {"start_revision": start_revision}
-        if prefix:
-            check_prefix(key_or_prefix)
-            kwargs["range_end"] = pyetcd.utils.prefix_range_end(pyetcd.utils.to_bytes(key_or_prefix))
-        watch_id = self._call("watch", lambda: self._raw.add_watch_callback(key_or_prefix, events.put, **kwargs))
-        try:
-            item = events.get(timeout=max(timeout_s, 0.0))
-        except queue.Empty:
-            return False
-        finally:
-            # Only queues a cancel request on the shared stream; cannot block on the network. A failover may
-            # have replaced the stream (and its watches with it), and pyetcd then finds no endpoint: ignore.
-            with self._lock, contextlib.suppress(*_RPC_ERRORS):
-                self._raw.watcher.cancel(watch_id)
-        if isinstance(item, pyetcd.exceptions.RevisionCompactedError):
-            return True  # history we asked for is gone: something changed, the caller re-reads
-        if isinstance(item, Exception):
-            error = _translate("watch", self._endpoint_label(), item)
-            self._report(error)
-            if error.code != "UNAVAILABLE":
-                raise error from None
-            # The stream broke (etcd restarting, failover): wake the caller to re-read, which waits for etcd
-            # within the request timeout and raises if it stays away.
-        return True
-
     def close(self) -> None:
         self._keepalive.close()
         with self._lock:
@@ -448,6 +388,11 @@ class EtcdClient(RangeReads):
             return False
         with self._lock:
             return _log_in_again(self._raw, *self._login)
+
+    def _watch_error(self, error: BaseException) -> EtcdError:
+        translated = _translate("watch", self._endpoint_label(), error)
+        self._report(translated)
+        return translated
 
     def _report(self, error: EtcdError) -> None:
         if self._on_error is not None:
@@ -532,7 +477,7 @@ def _translate(operation: str, endpoint: str, exc: BaseException) -> EtcdError:
 
 def _access_error(error: EtcdError, endpoints: str) -> EtcdAccessError | None:
     detail = str(error).lower()
-    if error.code in _REFUSED_CODES or any(s in detail for s in _ACCESS_DENIED):
+    if error.code in REFUSED_CODES or any(s in detail for s in _ACCESS_DENIED):
         hint = "check --etcd-cacert/--etcd-cert/--etcd-key" if "cert" in detail or "ssl" in detail else ""
         hint = hint or f"check {o.ETCD_USER.flag} and the password ({o.ETCD_PASSWORD_FILE.flag} or {ETCD_PASSWORD})"
         return EtcdAccessError(f"etcd at {endpoints} refused the connection: {error.code}: {_short(error)}; {hint}")

@@ -25,12 +25,14 @@ class RangeReads:
 
         def _call(self, operation: str, fn: Callable[[], T], report: bool = True, renewed: bool = False) -> T: ...
 
-    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
-        """(key, value, mod_revision) of every key under ``prefix``, in key order."""
+    def get_prefix(self, prefix: str, revision: int | None = None) -> list[tuple[str, bytes, int]]:
+        """(key, value, mod_revision) of every key under ``prefix``, in key order (as of ``revision``; None: now)."""
         check_prefix(prefix)
-        pairs = self._call("get_prefix", lambda: list(self._raw.get_prefix(prefix)))
+        kwargs: dict[str, Any] = {} if revision is None else {"revision": revision}
+        response = self._call("get_prefix", lambda: self._raw.get_prefix_response(prefix, **kwargs))
         return [
-            (bytes(meta.key).decode("utf-8", "surrogateescape"), bytes(v), int(meta.mod_revision)) for v, meta in pairs
+            (bytes(kv.key).decode("utf-8", "surrogateescape"), bytes(kv.value), int(kv.mod_revision))
+            for kv in response.kvs
         ]
 
     def read_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from elasticd.agent.node_lease import NodeLease
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 from elasticd.liveness_probe import Probe, ProbeListener, greet, probe
+from elasticd.membership import Bid, Membership
 from elasticd.worker.hot.silence import SilenceWatch
 from elasticd.worker.hot.verdicts import Verdicts
 from elasticd.worker.hot.watch import FailureWatch
@@ -232,6 +234,52 @@ def test_the_watch_reports_a_notice_of_its_group_and_epoch_and_a_member_node_tha
         watch.close()
         mine.close()
         theirs.close()
+
+
+class CountingReads:
+    """An etcd client that counts the range reads made through it."""
+
+    def __init__(self, client: EtcdClient) -> None:
+        self._client = client
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("get_prefix", "read_prefix", "keys_under", "count_prefix", "get"):
+            self.reads += 1
+        return getattr(self._client, name)
+
+
+def test_the_watch_follows_bids_joiners_and_leases_from_events_without_reading_again(etcd_client: EtcdClient) -> None:
+    # A change must cost each member one event, not a re-read of O(N) keys, and a member's bid must not even wake it
+    # (bench/control_plane.py: a node loss at 64 nodes took 6.7 s while every bid made every member read everything).
+    keys = RunKeys("watch-events")
+    etcd_client.put(keys.membership_alive("e-a"), "e-a")
+    etcd_client.put(keys.membership_alive("e-b"), "e-b")
+    counted = CountingReads(etcd_client)
+    watch = FailureWatch(counted, keys, "grp")  # type: ignore[arg-type]
+    try:
+        watch.follow(1, {"e-a", "e-b"})
+        wait_until(lambda: counted.reads >= 4, SETTLE_S, "the first read")
+        time.sleep(0.3)
+        first = counted.reads
+        membership = Membership(etcd_client, keys)
+        for rank in range(20):  # the old members bid: none counts as a joiner
+            membership.bid(2, Bid(f"grp.{rank}", rank, 5))
+        membership.bid(2, Bid("joiner.0", None, 0))
+        wait_until(lambda: watch.joiners() == 1, SETTLE_S, "the joiner counted")
+        etcd_client.put(keys.membership_leaving("e-b"), "e-b")
+        wait_until(lambda: watch.leaving() == {"e-b"}, SETTLE_S, "the leaver seen")
+        assert watch.reason() is None
+        etcd_client.delete(keys.membership_alive("e-b"))
+        wait_until(watch.reason, SETTLE_S, "the lost lease")
+        assert watch.reason() == "node liveness lease gone: e-b"
+        assert counted.reads == first  # all of it from the watches' events
+        watch.follow(2, {"e-a"})  # the joiners of epoch 2 are now members: none waits for epoch 3
+        wait_until(lambda: watch.joiners() == 0, SETTLE_S, "the joiners of the epoch in force forgotten")
+        assert counted.reads == first
+    finally:
+        watch.close()
+        etcd_client.delete_prefix(keys.prefix)
 
 
 def test_a_member_whose_port_still_accepts_is_dead_once_its_nodes_daemon_refuses(etcd_client: EtcdClient) -> None:

@@ -1,16 +1,19 @@
 """The failure watch's verdict on a lease seen gone right after etcd was away (worker/hot/watch.py).
 
-etcd's outage is played by a client whose reads fail, then answer: the fault under test is what the watch does with
-the answers that follow an outage (real ones, etcd members cut off: tests/integration/test_etcd_cluster.py).
+etcd's outage is played by a client whose watch stream breaks and whose reads fail, then answer: the fault under test
+is what the watch does with the answers that follow an outage (real ones, etcd members cut off:
+tests/integration/test_etcd_cluster.py).
 """
 
 from __future__ import annotations
 
-import threading
+import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from elasticd.etcd.client import EtcdError
+from elasticd.etcd.watches import WatchEvent
 from elasticd.keys import RunKeys
 from elasticd.worker.hot.watch import FailureWatch
 from tests.integration.cluster import wait_until
@@ -19,47 +22,66 @@ KEYS = RunKeys("watched")
 
 
 class FlakyEtcd:
-    """The keys the watch reads, and reads that fail while ``away``."""
+    """The keys the watch reads and follows: reads that fail while ``away``, and a watch stream that breaks then."""
 
     def __init__(self) -> None:
         self.alive = {"n-a", "n-b"}
         self.away = False
-        self.changed = threading.Event()
+        self.revision = 1
+        self.sinks: dict[int, Callable[[Any], None]] = {}
+        self._ids = itertools.count(1)
 
     def _check(self) -> None:
         if self.away:
             raise EtcdError("get", "10.0.0.1:2379", "UNAVAILABLE", "etcdserver: no leader")
 
-    def revision(self) -> int:
+    def read_prefix(self, prefix: str) -> tuple[list[tuple[str, bytes, int]], int]:
         self._check()
-        return 1
+        assert prefix == KEYS.membership_alive_prefix
+        return [(prefix + n, n.encode(), 1) for n in sorted(self.alive)], self.revision
 
-    def get(self, key: str) -> Any:
+    def keys_under(self, prefix: str, *, revision: int | None = None) -> list[str]:
         self._check()
-        return None
-
-    def get_prefix(self, prefix: str) -> list[tuple[str, bytes, int]]:
-        self._check()
-        if prefix == KEYS.membership_alive_prefix:
-            return [(prefix + n, n.encode(), 1) for n in sorted(self.alive)]
         return []
 
-    def wait_for_change(self, key: str, start_revision: int, timeout_s: float, prefix: bool = False) -> bool:
+    def get_prefix(self, prefix: str, revision: int | None = None) -> list[tuple[str, bytes, int]]:
         self._check()
-        changed = self.changed.wait(timeout_s)
-        self.changed.clear()
-        return changed
+        return []
+
+    def watch_prefixes(self, prefixes: list[str], start: int, sink: Callable[[Any], None]) -> list[int]:
+        self._check()
+        ids = []
+        for prefix in prefixes:
+            if prefix == KEYS.membership_alive_prefix:
+                ids.append(next(self._ids))
+                self.sinks[ids[-1]] = sink
+        return ids
+
+    def watch_failure(self, item: BaseException) -> Exception:
+        assert isinstance(item, Exception)
+        return item
+
+    def cancel_watches(self, ids: list[int]) -> None:
+        for watch_id in ids:
+            self.sinks.pop(watch_id, None)
 
     def set_alive(self, *nodes: str) -> None:
+        self.revision += 1
+        prefix = KEYS.membership_alive_prefix
+        events = [WatchEvent(prefix + n, b"", self.revision, True) for n in sorted(self.alive - set(nodes))]
+        events += [WatchEvent(prefix + n, n.encode(), self.revision, False) for n in sorted(set(nodes) - self.alive)]
         self.alive = set(nodes)
-        self.changed.set()
+        for sink in list(self.sinks.values()):
+            sink(events)
 
     def outage(self, *, alive_after: set[str]) -> None:
         """etcd away for a while (the watch stream breaks: the watch reads again, and fails), then back with
         ``alive_after`` the live keys."""
         self.away = True
-        self.changed.set()
+        for sink in list(self.sinks.values()):
+            sink(EtcdError("watch", "10.0.0.1:2379", "UNAVAILABLE", "the stream broke"))
         time.sleep(0.8)  # the watch failed at least once
+        self.revision += 1
         self.alive = alive_after
         self.away = False
 

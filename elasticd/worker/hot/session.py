@@ -50,12 +50,13 @@ from elasticd.addresses import listen_address
 from elasticd.etcd.client import EtcdClient, EtcdError
 from elasticd.keys import RunKeys
 from elasticd.liveness_probe import ProbeListener
-from elasticd.membership import UNHEALED_STEP, BelowMinimum, Bid, Epoch, Membership
+from elasticd.membership import UNHEALED_STEP, BelowMinimum, Bid, Epoch, Membership, bid_items
 from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.worker.batching import BatchPlan, BatchPlanError
 from elasticd.worker.faults import FaultInjector
 from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce
 from elasticd.worker.hot.cutoff import BackwardCutoff
+from elasticd.worker.hot.decide import DecideTimeout, decide
 from elasticd.worker.hot.errors import HealError, HotRecoveryError
 from elasticd.worker.hot.failure import StepFailure, StepHealth
 from elasticd.worker.hot.heal import heal
@@ -75,8 +76,6 @@ from elasticd.worker.state import TrainingState
 # (its own collective fails or the notice releases it), a dead one is declared so within the lease (about a second):
 # this is a backstop for a member that is alive, stuck outside a collective and still leased (then: cold path).
 DECIDE_TIMEOUT_S = 120.0
-# Between two looks at the bids when nothing changed in etcd (seconds): a refused probe changes no key.
-_DECIDE_POLL_S = 0.05
 # Forming the new group waits this long for every member of the decided epoch (one that dies meanwhile: cold path).
 FORM_TIMEOUT = timedelta(seconds=15)
 # A joiner looks this often (seconds) whether the group it waits for still trains; a change in etcd wakes it sooner.
@@ -324,10 +323,7 @@ class HotSession:
             found = self.membership.current()
             target = 1 if found is None else found[0].number + 1
             if self.rank == 0:
-                items: dict[str, bytes | str] = {
-                    self.keys.membership_bid(target, str(name)): Bid(str(name), None, 0).encode() for name in names
-                }
-                self.client.put_all(items)
+                self.client.put_all(bid_items(self.keys, target, [Bid(str(name), None, 0) for name in names]))
             decision = None
             while decision is None:
                 decision = self.membership.wait(target, _JOIN_POLL_S)
@@ -435,10 +431,8 @@ class HotSession:
         return self._decide(self.epoch + 1, reason, plan_for)
 
     def _decide(self, target: int, reason: str, plan_for: Callable[[int], BatchPlan | None] | None = None) -> Epoch:
-        deadline = self._clock() + DECIDE_TIMEOUT_S
-        while True:
-            before = self.client.revision()
-            decision = self.membership.try_decide(
+        def attempt() -> Epoch | None:
+            return self.membership.try_decide(
                 target,
                 self.members,
                 self._is_dead,
@@ -449,12 +443,12 @@ class HotSession:
                 fits=None if plan_for is None else _fits(plan_for),
                 out=self._is_out,
             )
-            if decision is not None:
-                return decision
-            remaining = deadline - self._clock()
-            if remaining <= 0:
-                raise HotFallback("decision_timeout", f"epoch {target} was not decided within {DECIDE_TIMEOUT_S:g}s")
-            self.client.wait_for_change(self.keys.membership_prefix, before + 1, min(_DECIDE_POLL_S, remaining), True)
+
+        me = self.identity.member
+        try:
+            return decide(self.membership, target, self.members, me, self._is_dead, attempt, DECIDE_TIMEOUT_S)
+        except DecideTimeout as exc:
+            raise HotFallback("decision_timeout", str(exc)) from None
 
     def _follow_silence(self, nodes: set[str]) -> None:
         if self._greets:

@@ -12,6 +12,7 @@ Each member's record (``membership/member/<name>``: its node and liveness addres
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -19,7 +20,6 @@ from typing import Any
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 from elasticd.liveness_probe import Probe, greet, probe
-from elasticd.node_records import read_nodes
 
 # A decider greets the daemon of a member that did not bid this long (seconds) before it takes the silence for a
 # stopped node: a running daemon's listener answers within milliseconds.
@@ -27,6 +27,8 @@ DECIDE_GREET_TIMEOUT_S = 0.5
 # The failure watch greets the daemon of a node whose lease it saw gone this long (seconds) before it believes the
 # lease (``watch.py``): a running daemon's listener answers within milliseconds, as the silence watch expects.
 LAPSE_GREET_TIMEOUT_S = 0.25
+# More member records than this missing are read with one range read of them all (one round trip, not N).
+_ONE_BY_ONE = 8
 
 
 class Verdicts:
@@ -65,14 +67,14 @@ class Verdicts:
     def daemon_address(self, node: str) -> str | None:
         """Where ``node``'s daemon greets (its registry record, as first read), None when it has no record with one."""
         if node not in self._daemons:
-            self._read_daemons()
+            self._read_daemon(node)
         return self._daemons.get(node)
 
     def current_daemon_address(self, node: str) -> str | None:
         """Where ``node``'s daemon greets now: its registry record read again. A node that came back (a restarted
         daemon, the same node id) listens on another port, and its old address refuses."""
         self._daemons.pop(node, None)
-        self._read_daemons()
+        self._read_daemon(node)
         return self._daemons.get(node)
 
     def daemon_gone(self, node: str) -> bool:
@@ -100,10 +102,25 @@ class Verdicts:
                 answer = greet(current, timeout_s)
         return answer
 
-    def _read_daemons(self) -> None:
-        for record in read_nodes(self._client, self._keys):
-            if record.get("probe"):
-                self._daemons[str(record.get("node_id"))] = str(record["probe"])
+    def _read_daemon(self, node: str) -> None:
+        """``node``'s registry record alone (every member asks about a few nodes: reading all N records each was
+        O(N²) for the group)."""
+        found = self._client.get(self._keys.node(node))
+        try:
+            record = json.loads(found[0]) if found is not None else None
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and record.get("probe"):
+            self._daemons[node] = str(record["probe"])
+
+    def _read_records(self) -> None:
+        """Every member record of the run, in one read (a new group's members' nodes: one read, not N)."""
+        prefix = self._keys.membership_member("")
+        for key, raw, _ in self._client.get_prefix(prefix):
+            with contextlib.suppress(ValueError):
+                record = json.loads(raw)
+                if isinstance(record, dict) and "node" in record:
+                    self._records.setdefault(key[len(prefix) :], record)
 
     def record(self, member: str) -> dict[str, Any] | None:
         if member not in self._records:
@@ -114,6 +131,9 @@ class Verdicts:
         return self._records[member]
 
     def nodes_of(self, members: Iterable[str]) -> set[str]:
+        members = list(members)
+        if sum(1 for m in members if m not in self._records) > _ONE_BY_ONE:
+            self._read_records()
         nodes: set[str] = set()
         for member in members:
             record = self.record(member)
