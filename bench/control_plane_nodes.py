@@ -16,8 +16,16 @@ A simulated node is what a daemon and its one worker put into etcd, made of the 
 What differs from a real node, and why it does not change what etcd sees: no torch process group and no training (a
 step boundary is a look every :data:`STEP_S` at whether a joiner waits); a kill stops the node's threads and closes its
 listener at once (its leases then expire in etcd as a killed daemon's do), and a survivor whose collective the kill
-broke writes the failure notice, as a real one does first thing. Nodes of one process share an etcd client (one gRPC
-connection) per ``--nodes-per-client`` nodes; a daemon has two of its own and each worker one.
+broke writes the failure notice, as a real one does first thing. What the nodes of one process share, so that the
+simulation's threads do not measure the host (a thread per node and per task, a thousand nodes on two cores, starved
+the interpreter and the leases lapsed):
+
+- an etcd client (one gRPC connection) per ``--nodes-per-client`` nodes; a daemon has two of its own and each worker
+  one;
+- the liveness leases' refreshes: :class:`LeaseTicker` calls each node's ``NodeLease.tick`` (what its own thread
+  would run) from a pool of 16 threads, as often as the node's own thread would;
+- the step boundaries: :class:`Stepper` looks at every member every :data:`STEP_S`; a member that re-forms or admits
+  does it on a thread of its own.
 
 The orchestrator speaks JSON lines: commands on stdin, events on stdout, each with a wall-clock ``t`` (every process
 of the benchmark runs on one machine).
@@ -31,6 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,11 +112,13 @@ class SimNode:
         self.verdicts: Verdicts | None = None
         self.killed = threading.Event()
 
-    def start(self) -> None:
-        """What a daemon does before its rendezvous: claim its record, hold its leases."""
+    def start(self, ticker: LeaseTicker) -> None:
+        """What a daemon does before its rendezvous: claim its record, hold its leases (the liveness lease refreshed
+        by the process's ticker)."""
         self.registry.claim()
         self.registry.start_keepalive()
-        self.lease.start()
+        self.lease.start(own_thread=False)
+        ticker.add(self.lease)
         if self.design == "today":
             self.handler.use_liveness_lease(self.lease.hold)
 
@@ -128,7 +139,8 @@ class SimNode:
 
     def _follow(self) -> None:
         assert self.group is not None
-        self.verdicts = Verdicts(self.client, self.keys, self.group.name)
+        if self.verdicts is None:  # one per group, as session.py's (its records and verdicts are kept)
+            self.verdicts = Verdicts(self.client, self.keys, self.group.name)
         if self.watch is None:
             self.watch = FailureWatch(
                 self.client, self.keys, self.group.name, daemon_answers=lambda n: self._verdicts().daemon_answers(n)
@@ -206,21 +218,81 @@ class SimNode:
             if self.member in decision.members:
                 return decision
 
-    def serve_steps(self, on_decided: Callable[[str, Epoch], None]) -> None:
-        """The worker's step boundaries: a failure notice or a lease gone fails the step (re-form), a joiner waiting
-        moves the group to the next epoch (admit); until killed."""
-        while not self.killed.wait(STEP_S):
-            watch = self.watch
-            if watch is None:
-                continue
-            reason = "failure" if watch.reason() is not None else "join" if watch.joiners() else None
-            if reason is None:
-                continue
-            try:
-                on_decided(reason, self.reform(reason))
-            except (EtcdError, TimeoutError) as exc:
-                emit("decide_failed", node=self.node_id, error=str(exc))
-                return
+    def step_boundary(self) -> str | None:
+        """What the worker's hook finds at a step boundary: a failure notice or a lease gone fails the step
+        (``failure``: re-form), a joiner waiting moves the group to the next epoch (``join``: admit)."""
+        watch = self.watch
+        if self.killed.is_set() or watch is None:
+            return None
+        return "failure" if watch.reason() is not None else "join" if watch.joiners() else None
+
+
+class LeaseTicker:
+    """Refreshes the liveness leases of this process's nodes from a few threads, each lease every ``refresh_s``
+    (``NodeLease.tick``, the code a daemon's own lease thread runs). A thread per node (a thousand, waking four times
+    a second) starved the process: its leases lapsed while their answers waited for the interpreter, which measured
+    the host, not the design. etcd sees the same refreshes."""
+
+    def __init__(self, threads: int = 16) -> None:
+        self._leases: list[NodeLease] = []
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sim-lease")
+        threading.Thread(target=self._run, name="sim-lease-ticker", daemon=True).start()
+
+    def add(self, lease: NodeLease) -> None:
+        with self._lock:
+            self._leases.append(lease)
+
+    def remove(self, lease: NodeLease) -> None:
+        with self._lock:
+            self._leases.remove(lease)
+
+    def _run(self) -> None:
+        while True:
+            began = time.monotonic()
+            with self._lock:
+                leases = list(self._leases)
+            list(self._pool.map(NodeLease.tick, leases))
+            interval = min((lease.refresh_s for lease in leases), default=0.25)
+            time.sleep(max(interval - (time.monotonic() - began), 0.0))
+
+
+class Stepper:
+    """The step boundaries of this process's members, every :data:`STEP_S` (one thread, not one per node): a member
+    that must re-form or admit does it on a thread of its own, as its worker would, and is stepped again after."""
+
+    def __init__(self, on_decided: Callable[[SimNode, str, Epoch], None]) -> None:
+        self._on_decided = on_decided
+        self._nodes: list[SimNode] = []
+        self._busy: set[str] = set()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="sim-steps", daemon=True).start()
+
+    def add(self, node: SimNode) -> None:
+        with self._lock:
+            self._nodes.append(node)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(STEP_S)
+            with self._lock:
+                idle = [n for n in self._nodes if n.node_id not in self._busy and not n.killed.is_set()]
+            for node in idle:
+                reason = node.step_boundary()
+                if reason is not None:
+                    with self._lock:
+                        self._busy.add(node.node_id)
+                    threading.Thread(target=self._reform, args=(node, reason), daemon=True).start()
+
+    def _reform(self, node: SimNode, reason: str) -> None:
+        try:
+            self._on_decided(node, reason, node.reform(reason))
+        except (EtcdError, TimeoutError) as exc:
+            emit("decide_failed", node=node.node_id, error=str(exc))
+            node.killed.set()  # as a worker that gave up: stepped no more
+        finally:
+            with self._lock:
+                self._busy.discard(node.node_id)
 
 
 def _raise_open_files() -> None:
@@ -243,9 +315,16 @@ def main() -> int:
             clients.append(EtcdClient.connect(endpoints, connect_timeout_s=30))
         return clients[index // per_client]
 
+    ticker = LeaseTicker()
+
+    def decided(node: SimNode, reason: str, decision: Epoch) -> None:
+        emit("decided", node=node.node_id, reason=reason, epoch=decision.number, members=len(decision.members))
+
+    stepper = Stepper(decided)
+
     def make(node_id: str, index: int) -> SimNode:
         node = SimNode(client_for(index), setup["run_id"], node_id, int(setup["nodes"]), setup["design"])
-        node.start()
+        node.start(ticker)
         nodes[node_id] = node
         return node
 
@@ -273,18 +352,10 @@ def main() -> int:
         elif what == "arm":
             for node in nodes.values():
                 node.arm(command["group"], int(command["world"]))
-            for node in nodes.values():
-
-                def steps(node: SimNode = node) -> None:
-                    def decided(reason: str, decision: Epoch) -> None:
-                        emit("decided", node=node.node_id, reason=reason, epoch=decision.number,
-                             members=len(decision.members))  # fmt: skip
-
-                    node.serve_steps(decided)
-
-                in_thread(steps)
+                stepper.add(node)
             emit("armed", nodes=len(nodes))
         elif what == "kill":
+            ticker.remove(nodes[command["node"]].lease)
             nodes[command["node"]].kill()
             emit("killed", node=command["node"])
         elif what == "notice":

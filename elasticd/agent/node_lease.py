@@ -1,13 +1,13 @@
 """This node's short liveness lease: ``membership/alive/<node-id>``, gone about a second after the daemon stops.
 
-The registry's record (``registry.py``) lives on a 10 s lease: right for ``elasticd status``, far too slow to tell
-the hot path that a node vanished (power loss, a partition, SIGSTOP: nothing resets a connection, the peers'
-collectives just wait). This key lives on a lease of :data:`TTL_S`, refreshed every :data:`REFRESH_S`; etcd clamps a
+The registry's record (``registry.py``) lives on a 10 s lease: right for ``elasticd status``, far too slow to tell the
+hot path that a node vanished (power loss, a partition, SIGSTOP: nothing resets a connection, the peers' collectives
+just wait). This key lives on a lease of :data:`TTL_S`, refreshed :data:`REFRESHES_PER_TTL` times per TTL; etcd clamps a
 TTL to its minimum (about 1.5 times its election timeout: 1 s for the embedded etcd, 2 s for etcd's defaults) and checks
 expiry every 0.5 s. The workers watch these keys (``worker/hot/watch.py``): a member's node losing its key fails the
-step in flight at once and counts the member as dead for the next membership epoch. The same lease holds the
-daemon's name in the rendezvous (``rdzv/alive/<name>``, :meth:`NodeLease.hold`), on both recovery paths: a re-forming
-round does not wait for a node whose key is gone until its rendezvous heartbeat expires (~3 s later)
+step in flight at once and counts the member as dead for the next membership epoch. The same lease holds the daemon's
+name in the rendezvous (``rdzv/alive/<name>``, :meth:`NodeLease.hold`), on both recovery paths: a re-forming round does
+not wait for a node whose key is gone until its rendezvous heartbeat expires (~3 s later)
 (``rendezvous/lapsed.py``).
 """
 
@@ -22,8 +22,11 @@ from elasticd.etcd.client import EtcdClient, EtcdError, EtcdLeaseNotFoundError
 from elasticd.keys import RunKeys
 
 TTL_S = 1
-# Four refreshes per TTL: one late refresh (a GC pause, a slow etcd round trip) must not expire the lease.
-REFRESH_S = 0.25
+# Four refreshes per TTL: one late refresh (a GC pause, a slow etcd round trip) must not expire the lease. Of the TTL
+# etcd granted: 0.25 s for the embedded etcd's 1 s, 0.5 s for etcd's defaults' 2 s (half of the refreshes a fixed
+# 0.25 s made there, for the same safety: a thousand nodes refreshed 4,000 times a second).
+REFRESHES_PER_TTL = 4
+REFRESH_S = TTL_S / REFRESHES_PER_TTL  # the shortest interval (a TTL etcd granted as asked)
 # The longest one refresh may wait for etcd (its own client: nothing else queues before it). Short, so that a refresh
 # sent while etcd had no leader is given up and the next one, to a member that has one again, goes out at once:
 # after an election etcd extends every lease by about one election timeout beyond its TTL, and no more.
@@ -54,11 +57,15 @@ class NodeLease:
         self._also: dict[str, str] = {}  # more keys on the same lease (hold())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.refresh_s = REFRESH_S  # a quarter of the TTL granted
 
-    def start(self) -> None:
+    def start(self, *, own_thread: bool = True) -> None:
+        """Take the lease and keep it: refreshed by a thread of its own, or (``own_thread=False``) by whoever calls
+        :meth:`tick` every :attr:`refresh_s` (``bench/control_plane_nodes.py``: one thread for many nodes)."""
         self._renew()
-        self._thread = threading.Thread(target=self._keepalive, name="elasticd-node-lease", daemon=True)
-        self._thread.start()
+        if own_thread:
+            self._thread = threading.Thread(target=self._keepalive, name="elasticd-node-lease", daemon=True)
+            self._thread.start()
 
     def _current(self) -> EtcdClient:
         with self._swap:
@@ -67,7 +74,8 @@ class NodeLease:
     def _renew(self) -> None:
         """A new lease and the key on it (at start, and whenever the lease was lost: etcd restarted, a partition)."""
         client = self._current()
-        lease = client.grant_lease(TTL_S)
+        lease, granted_s = client.grant_lease_ttl(TTL_S)
+        self.refresh_s = max(granted_s, TTL_S) / REFRESHES_PER_TTL
         client.put(self._key, self._node_id, lease_id=lease)
         for key, value in list(self._also.items()):
             client.put(key, value, lease_id=lease)
@@ -97,14 +105,18 @@ class NodeLease:
         self._current().delete(key)
 
     def _keepalive(self) -> None:
-        while not self._stop.wait(REFRESH_S):
-            try:
-                if self._lease is not None and self._current().refresh_lease(self._lease):
-                    continue
-                self._renew()
-            except (EtcdError, ValueError) as exc:  # ValueError: grpc's, on the old connection closed meanwhile
-                self._on_error(str(exc))  # etcd away: the key expires, peers treat us as gone; retried next tick
-                self._fresh_connection()
+        while not self._stop.wait(self.refresh_s):
+            self.tick()
+
+    def tick(self) -> None:
+        """One refresh (a new lease if the old one is gone); an error is reported, and the next tick tries again."""
+        try:
+            if self._lease is not None and self._current().refresh_lease(self._lease):
+                return
+            self._renew()
+        except (EtcdError, ValueError) as exc:  # ValueError: grpc's, on the old connection closed meanwhile
+            self._on_error(str(exc))  # etcd away: the key expires, peers treat us as gone; retried next tick
+            self._fresh_connection()
 
     def _fresh_connection(self) -> None:
         """Start connecting anew after a failed refresh (the refreshes go on meanwhile on the old connection).

@@ -310,7 +310,12 @@ class EtcdClient(RangeReads, Watches):
 
     def grant_lease(self, ttl_s: int) -> int:
         """A new lease of ``ttl_s`` seconds (etcd raises it to 1.5 election timeouts at least); its id."""
-        return int(self._call("grant_lease", lambda: self._raw.lease(ttl_s)).id)
+        return self.grant_lease_ttl(ttl_s)[0]
+
+    def grant_lease_ttl(self, ttl_s: int) -> tuple[int, int]:
+        """:meth:`grant_lease`, and the TTL etcd granted (seconds)."""
+        lease = self._call("grant_lease", lambda: self._raw.lease(ttl_s))
+        return int(lease.id), int(lease.ttl)
 
     def refresh_lease(self, lease_id: int) -> bool:
         """Reset the lease's TTL; False when etcd no longer knows it (expired or revoked)."""
