@@ -196,8 +196,8 @@ class SimNode:
                 out=lambda m: verdicts.is_out(m, target - 1),
             )
 
-        is_dead = lambda m: verdicts.is_dead(m, target - 1)  # noqa: E731
-        return decide(self.membership, target, group.members, self.member, is_dead, attempt, DECIDE_TIMEOUT_S)
+        is_gone = lambda m: verdicts.is_gone(m, target - 1)  # noqa: E731
+        return decide(self.membership, target, group.members, self.member, is_gone, attempt, DECIDE_TIMEOUT_S)
 
     def _enter(self, decision: Epoch) -> None:
         assert self.group is not None

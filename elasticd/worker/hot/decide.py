@@ -1,7 +1,8 @@
 """Who decides the next membership epoch, and how the others wait for it (``session.py``; ``membership.py`` decides).
 
 Every member of the epoch before bids; then **one** of them decides: the first member, in the old rank order, that is
-not dead by the deciders' verdicts (``verdicts.py``) — usually the old rank 0, or whoever follows a dead rank 0. It
+not gone (``Verdicts.is_gone``: its record, its node's liveness key, taken out, its port; what answers at once) —
+usually the old rank 0, or whoever follows a dead rank 0. A stopped decider is gone once its node's lease expires. It
 counts the bids (one small answer) as they come and reads them all only when every old member may have bid, or at
 most every :data:`FULL_READ_S` while they still come in (a member may be dead without bidding: the decision probes
 those). The others wait on the epoch key alone, and look again every :data:`WAIT_SLICE_S` whether their decider still
@@ -41,10 +42,10 @@ class DecideTimeout(TimeoutError):
         super().__init__(f"epoch {epoch} was not decided {within}")
 
 
-def decider_of(previous: Sequence[str], me: str, is_dead: Callable[[str], bool]) -> str:
-    """The member that decides: the first of ``previous`` (in old rank order) that is ``me`` or not dead."""
+def decider_of(previous: Sequence[str], me: str, is_gone: Callable[[str], bool]) -> str:
+    """The member that decides: the first of ``previous`` (in old rank order) that is ``me`` or not gone."""
     for member in previous:
-        if member == me or not is_dead(member):
+        if member == me or not is_gone(member):
             return member
     return me
 
@@ -54,7 +55,7 @@ def decide(
     target: int,
     previous: Sequence[str],
     me: str,
-    is_dead: Callable[[str], bool],
+    is_gone: Callable[[str], bool],
     attempt: Callable[[], Epoch | None],
     timeout_s: float,
     *,
@@ -62,12 +63,13 @@ def decide(
 ) -> Epoch:
     """The decision of epoch ``target``: made here if this member (``me``) is the decider, else waited for.
 
+    ``is_gone(member)``: the verdict that picks the decider (every member asks the same, so they agree).
     ``attempt()`` tries to decide now (``Membership.try_decide`` with the caller's rules): the decision, the winner's,
     or None while a live member has not bid. Raises :class:`DecideTimeout` after ``timeout_s``, and whatever
     ``attempt`` raises (``BelowMinimum``)."""
     deadline = clock() + timeout_s
     while True:
-        if decider_of(previous, me, is_dead) == me:
+        if decider_of(previous, me, is_gone) == me:
             return _as_decider(membership, target, len(previous), attempt, deadline, clock)
         remaining = deadline - clock()
         if remaining <= 0:

@@ -446,7 +446,8 @@ class HotSession:
 
         me = self.identity.member
         try:
-            return decide(self.membership, target, self.members, me, self._is_dead, attempt, DECIDE_TIMEOUT_S)
+            is_gone = lambda m: self.verdicts.is_gone(m, self.epoch)  # noqa: E731
+            return decide(self.membership, target, self.members, me, is_gone, attempt, DECIDE_TIMEOUT_S)
         except DecideTimeout as exc:
             raise HotFallback("decision_timeout", str(exc)) from None
 

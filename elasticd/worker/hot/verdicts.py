@@ -45,17 +45,29 @@ class Verdicts:
     def is_dead(self, member: str, epoch: int) -> bool:
         if member in self._dead:
             return True
-        record = self.record(member)
-        if record is None:
-            dead = True  # every member publishes before the first step: its record is gone with etcd's data
-        else:
-            node = str(record["node"])
-            alive = self._client.get(self._keys.membership_alive(node)) is not None
-            dead = not alive or self.is_out(member, epoch) or probe(str(record["addr"])) is Probe.REFUSED
-            dead = dead or self.daemon_gone(node)
+        dead = self.is_gone(member, epoch)
+        if not dead:
+            record = self.record(member)
+            dead = record is not None and self.daemon_gone(str(record["node"]))
         if dead:
             self._dead.add(member)
         return dead
+
+    def is_gone(self, member: str, epoch: int) -> bool:
+        """Dead by what answers at once: no record, its node's liveness key gone, taken out of ``epoch``, or its port
+        refuses; not the daemon's greeting, which waits up to 0.5 s for a stopped node (whose liveness key then goes
+        within its TTL). What the members that do not decide ask of their decider (``decide.py``)."""
+        if member in self._dead:
+            return True
+        record = self.record(member)
+        if record is None:
+            gone = True  # every member publishes before the first step: its record is gone with etcd's data
+        else:
+            alive = self._client.get(self._keys.membership_alive(str(record["node"]))) is not None
+            gone = not alive or self.is_out(member, epoch) or probe(str(record["addr"])) is Probe.REFUSED
+        if gone:
+            self._dead.add(member)
+        return gone
 
     def is_out(self, member: str, epoch: int) -> bool:
         """Did ``member``'s node take it out of ``epoch`` (a culprit of the group's hang agreement)?"""
