@@ -20,7 +20,7 @@ Beside each figure: the CPU the simulation's processes used (cores: CPU seconds 
 design that did not form within ``--form-timeout`` at some N is recorded so (with its etcd traffic while it tried)
 and not run at larger N. ``bench/control_plane_nodes.py`` holds the nodes and says what a simulated node shares.
 
-    python bench/control_plane.py [--nodes 8 64 256 1024] [--trials 3] [--processes 2] [--nodes-per-client 8]
+    python bench/control_plane.py [--nodes 8 64 256 1024] [--trials 3] [--processes 4] [--nodes-per-client 1]
     python bench/control_plane.py --draw bench/results/control_plane-<commit>.json   # the picture again, from a file
 
 Needs root (network namespaces), as the suite's host tests.
@@ -251,6 +251,7 @@ def trial(args: argparse.Namespace, design: str, nodes: int, index: int, workdir
             sim.send(sim.home[witness], {"do": "notice", "node": witness, "text": f"{victim}: connection reset"})
             got = sim.collect(lambda g: _decided(g, 1) >= nodes - 1, _CHANGE_TIMEOUT_S)
         result["loss"] = loss
+        result["loss_spread"] = _spread(got, 1, t_kill)
         if _decided(got, 1) >= nodes - 1:
             result["loss_s"] = round(
                 max(e["t"] for e in got if e["event"] == "decided" and e["epoch"] == 1) - t_kill, 3
@@ -263,6 +264,7 @@ def trial(args: argparse.Namespace, design: str, nodes: int, index: int, workdir
             sim.send(0, {"do": "join", "node": "joiner"})
             got = sim.collect(lambda g: _decided(g, 2) >= nodes, _CHANGE_TIMEOUT_S)
         result["join"] = joining
+        result["join_spread"] = _spread(got, 2, t_join)
         if _decided(got, 2) >= nodes:
             result["join_s"] = round(
                 max(e["t"] for e in got if e["event"] == "decided" and e["epoch"] == 2) - t_join, 3
@@ -281,6 +283,14 @@ def _set_fence(endpoints: str, run_id: str) -> None:
         client.put(RunKeys(run_id).lineage_token, _GROUP)
     finally:
         client.close()
+
+
+def _spread(events: Sequence[dict[str, Any]], epoch: int, t0: float) -> dict[str, float]:
+    """When the nodes had ``epoch`` decided, from ``t0``: the first (the decider), the median and the last one."""
+    times = sorted(e["t"] - t0 for e in events if e["event"] == "decided" and e["epoch"] == epoch)
+    if not times:
+        return {}
+    return {"first": round(times[0], 3), "median": round(statistics.median(times), 3), "last": round(times[-1], 3)}
 
 
 def _decided(events: Sequence[dict[str, Any]], epoch: int) -> int:
@@ -350,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, nargs="+", default=list(NODES))
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--processes", type=int, default=2, help="processes the simulated nodes are spread over")
-    p.add_argument("--nodes-per-client", type=int, default=8, help="simulated nodes sharing one etcd client")
+    p.add_argument("--processes", type=int, default=4, help="processes the simulated nodes are spread over")
+    p.add_argument("--nodes-per-client", type=int, default=1, help="simulated nodes sharing one etcd client")
     p.add_argument("--form-timeout", type=float, default=60.0, help="seconds the first round may take to form")
     p.add_argument("--steady-s", type=float, default=10.0, help="seconds of steady state measured")
     p.add_argument("--designs", nargs="+", choices=DESIGNS, default=list(DESIGNS), help="control planes to measure")

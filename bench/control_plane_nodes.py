@@ -193,7 +193,7 @@ class SimNode:
                 round_=0,
                 reason=reason,
                 fence=group.fence,
-                out=lambda m: verdicts.is_out(m, target - 1),
+                out=verdicts.out_of(target - 1),
             )
 
         is_gone = lambda m: verdicts.is_gone(m, target - 1)  # noqa: E731

@@ -158,7 +158,10 @@ class RunKeys:
     def membership_out(self, group: str, epoch: int, node_id: str) -> str:
         """A node convicted by a hang agreement of ``epoch`` of ``group`` takes its workers out of it (written before
         it kills them): the others count them dead, reachable or not (a partition: they cannot be probed)."""
-        return f"{self.prefix}membership/out/{group}/{epoch:012d}/{node_id}"
+        return f"{self.membership_out_prefix(group, epoch)}{node_id}"
+
+    def membership_out_prefix(self, group: str, epoch: int) -> str:
+        return f"{self.prefix}membership/out/{group}/{epoch:012d}/"
 
     def membership_member(self, member: str) -> str:
         """Where a worker of the hot path answers liveness probes, and its node (JSON, liveness_probe.py)."""

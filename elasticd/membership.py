@@ -216,15 +216,13 @@ class Membership:
         """The decision of ``epoch`` (or a later one) once it is made, or None after ``timeout_s``."""
         deadline = self._clock() + timeout_s
         while True:
-            before = self._client.revision()  # read first: a decision written after it wakes the watch below
-            found = self._client.get(self._keys.membership_epoch)
+            found, read_at = self._client.read_key(self._keys.membership_epoch)  # a later decision wakes the watch
             if found is not None and Epoch.decode(found[0]).number >= epoch:
                 return Epoch.decode(found[0])
             remaining = deadline - self._clock()
             if remaining <= 0:
                 return None
-            start = before + 1 if found is None else found[1] + 1
-            self._client.wait_for_change(self._keys.membership_epoch, start, remaining)
+            self._client.wait_for_change(self._keys.membership_epoch, read_at + 1, remaining)
 
     def notify_group(self, text: str) -> bool:
         """Write the failure notice of the group training in place now (``membership/group``): its members fail

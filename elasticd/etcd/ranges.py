@@ -45,6 +45,12 @@ class RangeReads:
         ]
         return items, int(response.header.revision)
 
+    def read_key(self, key: str) -> tuple[tuple[bytes, int] | None, int]:
+        """``get``'s (value, mod_revision) or None, and the store's revision it was read at, in one request."""
+        response = self._call("get", lambda: self._raw.get_response(key))
+        found = (bytes(response.kvs[0].value), int(response.kvs[0].mod_revision)) if response.kvs else None
+        return found, int(response.header.revision)
+
     def count_prefix(self, prefix: str) -> int:
         check_prefix(prefix)
         response = self._call("count", lambda: self._raw.get_prefix_response(prefix, count_only=True))

@@ -87,13 +87,15 @@ def _as_decider(
     deadline: float,
     clock: Callable[[], float],
 ) -> Epoch:
+    """Count the bids at most every :data:`FULL_READ_S` (a wake per bid would be N looks), read them all when the
+    count says every member may be in, when it grew, or every :data:`RETRY_S` anyway."""
     last_count, last_try = -1, float("-inf")
     while True:
+        looked = clock()
         before = membership.revision()  # read first: a bid written after it wakes the wait below
         count = membership.count_bids(target)
         now = clock()
-        due = count != last_count and (count >= expected or now - last_try >= FULL_READ_S)
-        if due or now - last_try >= RETRY_S:
+        if (count != last_count and (count >= expected or now - last_try >= FULL_READ_S)) or now - last_try >= RETRY_S:
             last_count, last_try = count, now
             decision = attempt()
             if decision is not None:
@@ -101,4 +103,6 @@ def _as_decider(
         remaining = deadline - clock()
         if remaining <= 0:
             raise DecideTimeout(target, None)
-        membership.wait_for_bids(target, before, min(FULL_READ_S if count != last_count else RETRY_S, remaining))
+        if count == last_count:  # nothing new since the last look: wait for a bid (or the retry)
+            membership.wait_for_bids(target, before, min(RETRY_S, remaining))
+        time.sleep(max(looked + FULL_READ_S - clock(), 0.0))  # at most one look per FULL_READ_S

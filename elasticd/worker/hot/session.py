@@ -441,7 +441,7 @@ class HotSession:
                 reason=reason,
                 fence=self.fence,
                 fits=None if plan_for is None else _fits(plan_for),
-                out=self._is_out,
+                out=self.verdicts.out_of(self.epoch),
             )
 
         me = self.identity.member

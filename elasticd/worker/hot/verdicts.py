@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from elasticd.etcd.client import EtcdClient
@@ -75,6 +75,18 @@ class Verdicts:
         node = str(record["node"]) if record is not None else None
         out = None if node is None else self._client.get(self._keys.membership_out(self._group, epoch, node))
         return out is not None
+
+    def out_of(self, epoch: int) -> Callable[[str], bool]:
+        """:meth:`is_out` for every member at once: the nodes taken out of ``epoch`` read in one range read (a
+        decision asks it of every bidder: N reads each time, seen to take 40 s at 256 nodes)."""
+        prefix = self._keys.membership_out_prefix(self._group, epoch)
+        nodes = {key[len(prefix) :] for key in self._client.keys_under(prefix)}
+
+        def out(member: str) -> bool:
+            record = self.record(member) if nodes else None
+            return record is not None and str(record["node"]) in nodes
+
+        return out
 
     def daemon_address(self, node: str) -> str | None:
         """Where ``node``'s daemon greets (its registry record, as first read), None when it has no record with one."""
