@@ -55,8 +55,8 @@ def control_plane_table(results: dict[str, Any]) -> str:
     config = results.get("config", {})
     lines = [
         f"{provenance(results)}; etcd: {config.get('etcd')}; {config.get('trials')} trial(s) per N, "
-        f"{results.get('duration_s', 0) / 60:.0f} min; simulated nodes in {config.get('processes')} processes, one"
-        f" etcd client per {config.get('nodes_per_client')} nodes; a first round not formed within "
+        f"{results.get('duration_s', 0) / 60:.0f} min; simulated nodes in {config.get('processes')} processes, "
+        f"{_clients(config.get('nodes_per_client'))}; a first round not formed within "
         f"{config.get('form_timeout'):g} s stops that design's larger N. Seconds, medians (samples); after each, the "
         "cores the simulation / etcd used meanwhile (CPU seconds over wall seconds; this host has 2); x: not reached.",
         "",
@@ -109,7 +109,8 @@ def control_plane_table(results: dict[str, Any]) -> str:
         if fits:
             notes.append(f"- {design}, fitted growth: " + "; ".join(fits))
         at_target = next((r for r in summary if r["nodes"] == TARGET_NODES), None)
-        notes.append(f"- {design}, issue 28's targets at {TARGET_NODES:,} nodes: {_verdict(at_target)}")
+        asked = TARGET_NODES in (config.get("nodes") or [TARGET_NODES])
+        notes.append(f"- {design}, issue 28's targets at {TARGET_NODES:,} nodes: {_verdict(at_target, asked)}")
     notes.extend(_ratios(results.get("designs", {})))
     return "\n".join([*lines, "", *notes]) + "\n"
 
@@ -138,9 +139,13 @@ def _ratios(designs: dict[str, Any], base: str = "today", new: str = "lease") ->
     return [f"- {base} over {new}, in this one run: " + "; ".join(parts)] if parts else []
 
 
-def _verdict(row: dict[str, Any] | None) -> str:
+def _clients(per_client: Any) -> str:
+    return "one etcd client per node" if per_client == 1 else f"one etcd client per {per_client} nodes"
+
+
+def _verdict(row: dict[str, Any] | None, asked: bool = True) -> str:
     if row is None:
-        return "not measured (the design did not reach that N)"
+        return "not measured (the design did not reach that N)" if asked else "not measured (not run in this run)"
     parts = []
     for label, value, target in (
         ("formed", _median(row, "form_s"), TARGET_FORM_S),
