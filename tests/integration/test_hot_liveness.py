@@ -244,7 +244,7 @@ class CountingReads:
         self.reads = 0
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("get_prefix", "read_prefix", "keys_under", "count_prefix", "get"):
+        if name in ("get_prefix", "read_prefix", "keys_under", "count_prefix", "get", "get_many"):
             self.reads += 1
         return getattr(self._client, name)
 
@@ -279,6 +279,22 @@ def test_the_watch_follows_bids_joiners_and_leases_from_events_without_reading_a
         assert counted.reads == first
     finally:
         watch.close()
+        etcd_client.delete_prefix(keys.prefix)
+
+
+def test_a_new_groups_member_records_are_read_in_one_request_and_only_those_not_kept(etcd_client: EtcdClient) -> None:
+    keys = RunKeys("records-once")
+    members = [f"grp.{rank}" for rank in range(20)]
+    for rank, member in enumerate(members):
+        etcd_client.put(keys.membership_member(member), json.dumps({"node": f"n-{rank}", "addr": "127.0.0.1:1"}))
+    counted = CountingReads(etcd_client)
+    verdicts = Verdicts(counted, keys, "grp")  # type: ignore[arg-type]
+    try:
+        assert verdicts.nodes_of(members[:12]) == {f"n-{r}" for r in range(12)}
+        assert counted.reads == 1  # twelve missing: one request
+        assert verdicts.nodes_of(members) == {f"n-{r}" for r in range(20)}
+        assert counted.reads == 1 + 8  # eight missing: one by one, and only those
+    finally:
         etcd_client.delete_prefix(keys.prefix)
 
 

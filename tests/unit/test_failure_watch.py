@@ -131,3 +131,22 @@ def test_without_an_outage_a_lost_lease_is_a_failure_at_once() -> None:
         assert watch.reason() == "node liveness lease gone: n-b"
     finally:
         watch.close()
+
+
+def test_an_event_older_than_the_last_read_is_not_applied() -> None:
+    # A cancelled watch may still deliver what it had in flight after the watch read everything again: what was read
+    # holds those changes already, and applying an old deletion would fail the step for a node that came back.
+    etcd = FlakyEtcd()
+    etcd.revision = 5  # the watch reads at revision 5
+    watch = _watch(etcd, grace_s=0.0)
+    try:
+        wait_until(lambda: etcd.sinks, 2, "the watches", poll_s=0.02)
+        sink = next(iter(etcd.sinks.values()))
+        sink([WatchEvent(KEYS.membership_alive_prefix + "n-b", b"", 3, True)])  # older than the read
+        time.sleep(0.3)
+        assert watch.reason() is None
+        sink([WatchEvent(KEYS.membership_alive_prefix + "n-b", b"", 6, True)])  # newer: believed
+        wait_until(watch.reason, 2, "the verdict", poll_s=0.02)
+        assert watch.reason() == "node liveness lease gone: n-b"
+    finally:
+        watch.close()

@@ -27,7 +27,7 @@ DECIDE_GREET_TIMEOUT_S = 0.5
 # The failure watch greets the daemon of a node whose lease it saw gone this long (seconds) before it believes the
 # lease (``watch.py``): a running daemon's listener answers within milliseconds, as the silence watch expects.
 LAPSE_GREET_TIMEOUT_S = 0.25
-# More member records than this missing are read with one range read of them all (one round trip, not N).
+# More member records than this missing are read in one request (not N).
 _ONE_BY_ONE = 8
 
 
@@ -137,14 +137,15 @@ class Verdicts:
         if isinstance(record, dict) and record.get("probe"):
             self._daemons[node] = str(record["probe"])
 
-    def _read_records(self) -> None:
-        """Every member record of the run, in one read (a new group's members' nodes: one read, not N)."""
-        prefix = self._keys.membership_member("")
-        for key, raw, _ in self._client.get_prefix(prefix):
+    def _read_records(self, members: list[str]) -> None:
+        """The records of ``members`` in one read (a new group's members' nodes: one request, not N; only those not
+        kept: reading all of the run's was N records for each member's first change, O(N²) for the group)."""
+        keys = {self._keys.membership_member(m): m for m in members}
+        for key, raw in self._client.get_many(list(keys)).items():
             with contextlib.suppress(ValueError):
                 record = json.loads(raw)
                 if isinstance(record, dict) and "node" in record:
-                    self._records.setdefault(key[len(prefix) :], record)
+                    self._records.setdefault(keys[key], record)
 
     def record(self, member: str) -> dict[str, Any] | None:
         if member not in self._records:
@@ -156,8 +157,9 @@ class Verdicts:
 
     def nodes_of(self, members: Iterable[str]) -> set[str]:
         members = list(members)
-        if sum(1 for m in members if m not in self._records) > _ONE_BY_ONE:
-            self._read_records()
+        missing = [m for m in members if m not in self._records]
+        if len(missing) > _ONE_BY_ONE:
+            self._read_records(missing)
         nodes: set[str] = set()
         for member in members:
             record = self.record(member)

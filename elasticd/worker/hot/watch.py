@@ -98,6 +98,7 @@ class FailureWatch:
         self._notices: dict[int, str] = {}
         self._joining: dict[int, set[str]] = {}
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._read_at = 0  # the revision of the last full read
 
     def on_reason(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from the watch's thread; keep it short) whenever the current epoch gets a reason."""
@@ -162,6 +163,7 @@ class FailureWatch:
             epoch, member = key[len(keys.membership_joiners_root) :].split("/", 1)
             joining.setdefault(int(epoch), set()).add(member)
         self._alive, self._all_leaving, self._notices, self._joining = alive, leaving, notices, joining
+        self._read_at = revision
         return revision
 
     def _follow_events(self, start: int) -> int | None:
@@ -205,6 +207,8 @@ class FailureWatch:
         notices = keys.membership_notices_prefix(self._group)
         last = 0
         for event in events:
+            if event.revision <= self._read_at:
+                continue  # a cancelled watch's, older than the read: what was read already holds it
             key, put = event.key, not event.deleted
             last = max(last, event.revision)
             if key.startswith(keys.membership_alive_prefix):
