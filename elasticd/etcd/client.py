@@ -29,7 +29,7 @@ from elasticd import options as o
 from elasticd.endpoints import Endpoint, format_endpoints
 from elasticd.envvars import ETCD_PASSWORD
 from elasticd.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
-from elasticd.etcd.errors import REFUSED_CODES, EtcdError, EtcdLeaseNotFoundError
+from elasticd.etcd.errors import REFUSED_CODES, RETRY_CODES, EtcdError, EtcdLeaseNotFoundError
 from elasticd.etcd.keepalive import KeepAliveStream, StreamBroken, keepalive_request
 from elasticd.etcd.ranges import RangeReads, check_prefix
 from elasticd.etcd.watches import Watches
@@ -53,6 +53,14 @@ _CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # A stream on a member that went silent (its link down: no reset, no error) is found dead by pings within
+    # ~KEEPALIVE_TIME + KEEPALIVE_TIMEOUT: a watch on it would otherwise wait for events that never come (seen in the
+    # suite: a joiner unseen for 40 s by a group whose watches were on a member cut off). etcd refuses pings closer
+    # than 5 s apart (--grpc-keepalive-min-time), and gRPC stops pinging a stream without data after 2 pings unless
+    # told otherwise (an idle watch sends none).
+    ("grpc.keepalive_time_ms", 6000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 _RPC_ERRORS = (pyetcd.exceptions.Etcd3Exception, grpc.RpcError)
 # etcd's answers to a token it no longer takes: forgotten (a restart, expiry), or checked against an auth revision
@@ -396,12 +404,28 @@ class EtcdClient(RangeReads, Watches):
 
     def _watch_error(self, error: BaseException) -> EtcdError:
         translated = _translate("watch", self._endpoint_label(), error)
+        if translated.code in RETRY_CODES:
+            # the stream broke (its member died, restarted or went silent): the next call tries another member, as
+            # pyetcd does after a failed call (with one endpoint, failing it changes nothing: _pyetcd_endpoint)
+            with self._lock:
+                endpoint = self._raw.endpoint_in_use
+                if endpoint is not None:
+                    endpoint.fail()
+                # the stubs hold the old channel: dropping them is what makes the next call fail over (pyetcd's own
+                # step after a failed call); without it, that call first waits out its deadline on the dead member
+                clear = getattr(self._raw, "_clear_old_stubs", None)
+                if callable(clear):
+                    clear()
         self._report(translated)
         return translated
 
     def _report(self, error: EtcdError) -> None:
         if self._on_error is not None:
             self._on_error(error)
+
+    def endpoint_in_use(self) -> str:
+        """``host:port`` of the member this client talks to now (all its endpoints when it cannot tell)."""
+        return self._endpoint_label()
 
     def _endpoint_label(self) -> str:
         try:

@@ -331,6 +331,19 @@ class Cluster:
     def diagnostics(self, lines: int = 40) -> str:
         return "\n".join(f"===== {name}\n{node.tail(lines)}" for name, node in self.nodes.items())
 
+    def changes(self) -> str:
+        """Every node's membership changes, failures and restarts, one line each, in time order: what a failed
+        assertion about the steps needs (a tail of 40 lines is often all lease warnings)."""
+        names = {"step_failed", "regrouped", "reconfigured", "hot_fallback", "restart", "node_lost", "worker_failed"}
+        names |= {"rendezvous_done", "workers_started", "resumed", "decision_timeout", "left_in_place", "joined"}
+        lines = [
+            (e.get("timestamp", ""), name, {k: v for k, v in e.items() if k not in ("timestamp", "level", "run_id")})
+            for name, node in self.nodes.items()
+            for e in node.events()
+            if e.get("event") in names
+        ]
+        return "\n".join(f"{t} {name} {e}" for t, name, e in sorted(lines, key=lambda line: line[0]))
+
 
 def _is_reaper(process: psutil.Process) -> bool:
     from elasticd.agent.reaper import MODULE

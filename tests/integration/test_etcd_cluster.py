@@ -20,7 +20,8 @@ from elasticd.endpoints import parse_endpoints
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
 from elasticd.lineage import Lineage
-from tests.integration.cluster import Cluster, train_args
+from elasticd.worker.hot import watch
+from tests.integration.cluster import Cluster, train_args, wait_until
 from tests.integration.etcd_cluster import EtcdCluster
 from tests.integration.netns import Network, unavailable
 from tests.integration.on_hosts import SLEEP_S, STEPS, assert_one_lineage, assert_same_parameters, stamp, start_on_hosts
@@ -98,6 +99,43 @@ def test_the_leader_killed_with_a_node_then_a_member_cut_off_training_goes_on_in
     assert_one_lineage(after)
     assert max(r.step for r in after) == STEPS
     assert_same_parameters(final, reference)
+
+
+def test_the_member_under_a_failure_watch_cut_off_the_watch_moves_to_another_and_misses_no_joiner_or_loss(
+    etcd: EtcdCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The member a group's failure watch streams from loses its link: no reset, no error, its events just stop.
+    The watch finds the stream dead (gRPC's pings), moves to another member and still sees a joiner and a node
+    lost. Before, it waited for its renewal (30 s, here never): in the suite a joiner went unseen for 2 minutes."""
+    monkeypatch.setattr(watch, "_WATCH_SLICE_S", 600.0)  # no renewal to hide a dead stream behind
+    keys = RunKeys("cut-watch")
+    client = EtcdClient.connect(parse_endpoints(etcd.endpoints), connect_timeout_s=30, election_grace_s=30)
+    follower = watch.FailureWatch(client, keys, "g")
+    try:
+        client.put(keys.membership_alive("n0"), "up")
+        follower.follow(1, ["n0"])
+        client.put(keys.membership_joiner(2, "early"), "1")
+        wait_until(lambda: follower.joiners() == 1, 30, "the watch following")
+        used = client.endpoint_in_use()
+        (member,) = [name for name, host in etcd.hosts.items() if used == f"{host.control_addr}:2379"]
+        # the writes go through the other members: a call to the member cut off would break the connection the
+        # watch shares with it (gRPC shares one per address), and so find the dead stream for it
+        others = ",".join(e for e in etcd.endpoints.split(",") if e != used)
+        writer = EtcdClient.connect(parse_endpoints(others), connect_timeout_s=30, election_grace_s=30)
+        etcd.cut(member)
+        try:
+            writer.put(keys.membership_joiner(2, "late"), "1")
+            wait_until(lambda: follower.joiners() == 2, 60, "the joiner seen after the member was cut off")
+            writer.delete(keys.membership_alive("n0"))
+            reason = wait_until(follower.reason, 60, "the node's loss seen")
+            assert "n0" in reason
+            assert client.endpoint_in_use() != used, "still on the member cut off"
+        finally:
+            etcd.heal(member)
+            writer.close()
+    finally:
+        follower.close()
+        client.close()
 
 
 def test_etcd_without_quorum_for_20_s_training_goes_on_and_the_commits_held_back_land_in_step_order_after(

@@ -52,7 +52,7 @@ def test_the_text_classifier_trains_through_a_node_loss_and_a_join(etcd: Embedde
             assert c.nodes[name].wait(200) == 0, c.diagnostics()
 
         steps = c.all_steps()
-        assert sorted(s["step"] for s in steps) == list(range(1, STEPS + 1)), "a step printed twice or never"
+        assert sorted(s["step"] for s in steps) == list(range(1, STEPS + 1)), c.changes()
         assert {s["world_size"] for s in steps} == {2, 3}
         # the global batch holds at 2 and 3: the sentences the ranks recorded for each step, not the step line's own
         # arithmetic (1920 sentences in batches of 48: no step is padded)

@@ -22,7 +22,9 @@ through the watches' events, kept in memory: a change costs each member one even
 only, never the bids (an epoch's N bids would wake N members N times each, and each wake re-read O(N) keys: at 64
 nodes a node loss took 6.7 s to decide, and 256 never decided). A healthy step costs nothing: lease refreshes change no
 key. The watches are renewed from the last revision seen every :data:`_WATCH_SLICE_S` (a stream that a failover
-replaced silently is thus replaced too); after an etcd error or a compaction everything is read again.
+replaced silently is thus replaced too); after an etcd error or a compaction everything is read again. A stream on a
+member that went silent (its link down) is found dead by the client's pings within ~9 s (``etcd/client.py``), and the
+error moves the client to another member.
 """
 
 from __future__ import annotations
