@@ -29,7 +29,7 @@ from elasticd import options as o
 from elasticd.endpoints import Endpoint, format_endpoints
 from elasticd.envvars import ETCD_PASSWORD
 from elasticd.errors import ConfigError, EtcdAccessError, EtcdUnavailableError
-from elasticd.etcd.errors import REFUSED_CODES, RETRY_CODES, EtcdError, EtcdLeaseNotFoundError
+from elasticd.etcd.errors import REFUSED_CODES, EtcdError, EtcdLeaseNotFoundError
 from elasticd.etcd.keepalive import KeepAliveStream, StreamBroken, keepalive_request
 from elasticd.etcd.ranges import RangeReads, check_prefix
 from elasticd.etcd.watches import Watches
@@ -404,18 +404,6 @@ class EtcdClient(RangeReads, Watches):
 
     def _watch_error(self, error: BaseException) -> EtcdError:
         translated = _translate("watch", self._endpoint_label(), error)
-        if translated.code in RETRY_CODES:
-            # the stream broke (its member died, restarted or went silent): the next call tries another member, as
-            # pyetcd does after a failed call (with one endpoint, failing it changes nothing: _pyetcd_endpoint)
-            with self._lock:
-                endpoint = self._raw.endpoint_in_use
-                if endpoint is not None:
-                    endpoint.fail()
-                # the stubs hold the old channel: dropping them is what makes the next call fail over (pyetcd's own
-                # step after a failed call); without it, that call first waits out its deadline on the dead member
-                clear = getattr(self._raw, "_clear_old_stubs", None)
-                if callable(clear):
-                    clear()
         self._report(translated)
         return translated
 

@@ -1,10 +1,9 @@
 """Every private torch name elasticd uses, with what it is for, its check and its fallback (read with torch 2.13).
 
-Four users: the agent (``agent/supervisor.py`` builds on torch's ``LocalElasticAgent`` and overrides its private
-steps), the rendezvous (``rendezvous/handler.py`` subclasses ``DynamicRendezvousHandler``, ``quorum.py`` wraps its
-private operation executor, ``wakeup.py`` replaces its module-level ``_delay``), and the worker library's hot path
-(``worker/hot/``: DDP's reducer and c10d's abort and shrink), and the sharded snapshot (``worker/snapshot.py``:
-DCP's staging helpers). The NCCL entries were read from torch's code and never exercised here (no GPU).
+Users: the agent (``agent/supervisor.py`` overrides ``LocalElasticAgent``'s private steps), the rendezvous
+(``rendezvous/``: ``DynamicRendezvousHandler``, its operation executor, its ``_delay``), the worker's hot path
+(``worker/hot/``: DDP's reducer and buffer hook, c10d's abort and shrink, FSDP2's re-mesh), and the sharded snapshot
+(``worker/snapshot.py``: DCP's staging). NCCL entries were read from torch's code, never exercised here (no GPU).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ _SUPERVISOR = ("elasticd.agent.supervisor", "elasticd.agent.workers")
 _HANDLERS = ("elasticd.rendezvous.handler", "elasticd.agent.liveness")
 _REFORM = ("elasticd.worker.hot.reform",)
 _BACKEND = ("elasticd.worker.hot.backend",)
+_COMM_HOOK = ("elasticd.worker.hot.comm_hook",)
 
 
 def _is_callable(owner: str) -> Check:
@@ -341,6 +341,18 @@ _HOT_PATH = (
                 f"{_DDP}._update_process_group", "self.reducer._reset_state()", "self.reducer._update_process_group("
             ),
         ),
+    ),
+    _hot(
+        "torch.nn.parallel.DistributedDataParallel._register_buffer_comm_hook",
+        _COMM_HOOK,
+        "rank 0's buffers broadcast before each forward by the hot path (a peer lost fails the step, not the forward)",
+        callable_with(f"{_DDP}._register_buffer_comm_hook", "self", "state", "hook", "comm_hook_location"),
+    ),
+    _hot(
+        "torch.nn.parallel.distributed._BufferCommHookLocation",
+        _COMM_HOOK,
+        "PRE_FORWARD: the buffer hook runs where DDP's own broadcast would",
+        has("torch.nn.parallel.distributed:_BufferCommHookLocation", "PRE_FORWARD"),
     ),
     _hot(
         "torch.nn.parallel.DistributedDataParallel._has_rebuilt_buckets",

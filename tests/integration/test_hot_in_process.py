@@ -8,6 +8,7 @@ of the hook's signature run on a real DDP model in a world of one.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -18,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from elasticd.worker.hot.backend import GlooGroups, groups_for
-from elasticd.worker.hot.comm_hook import GroupHolder, ResilientAllReduce, resilient_allreduce_hook
+from elasticd.worker.hot.comm_hook import BUFFERS, GroupHolder, ResilientAllReduce, resilient_allreduce_hook
 from elasticd.worker.hot.errors import UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
 from elasticd.worker.hot.given_up import GivenUp
 from tests.integration.cluster import wait_until
-from tests.integration.gloo_groups import gloo_group
+from tests.integration.gloo_groups import gloo_group, on_every_rank
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -349,3 +350,74 @@ def test_a_ddp_model_is_reduced_in_place_unless_ddp_never_rebuilds_its_buckets(w
         hook = ResilientAllReduce(GroupHolder(dist.group.WORLD), StepHealth())
         hook.register(model)
         assert hook.in_place is in_place
+
+
+def buffers(rank: int) -> dict[str, torch.Tensor]:
+    """What a model's buffers look like: BatchNorm's statistics (float) and counters, BERT's position ids (int)."""
+    return {
+        "bn.running_mean": torch.full((3,), float(rank)),
+        "bn.num_batches_tracked": torch.tensor(10 * rank),
+        "position_ids": torch.arange(4).reshape(1, 4) + rank,
+    }
+
+
+def test_a_healthy_forward_gets_rank_0s_buffers_on_every_rank(pair: list[Any]) -> None:
+    hooks = [hook_for(g)[0] for g in pair]
+    held = [buffers(rank) for rank in range(2)]
+    outcomes = on_every_rank(lambda rank: hooks[rank].sync_buffers(held[rank]), 2)
+    assert outcomes == [None, None]
+    for name, value in buffers(0).items():
+        assert torch.equal(held[1][name], value), name
+    assert not any(h.health.failed for h in hooks)
+
+
+def test_a_buffer_broadcast_a_peer_never_joins_fails_the_step_and_keeps_the_buffers(pair: list[Any]) -> None:
+    """The broadcast DDP makes before each forward, a peer lost meanwhile: the step fails (it is discarded and
+    re-formed at its boundary) instead of the forward raising, and this rank keeps its own buffers."""
+    hook, health = hook_for(pair[1])
+    held = buffers(1)
+    forward = threading.Thread(target=hook.sync_buffers, args=(held,))  # rank 0 never comes
+    forward.start()
+    time.sleep(0.2)
+    assert forward.is_alive()  # waiting on the broadcast (its deadline is 10 minutes away)
+    hook.abort("peer 0 declared dead")  # the failure watch's verdict
+    forward.join(SETTLE_S)
+    assert not forward.is_alive(), "the forward pass was left waiting"
+    failure = health.failure
+    assert failure is not None and failure.reason == "peer 0 declared dead"
+    for name, value in buffers(1).items():
+        assert torch.equal(held[name], value), name
+    # rank 0 finally broadcasts the one rank 1 gave up on (the float buffers; the step had failed before the int64
+    # ones): no collective is left pending
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    pair[0].broadcast([torch.zeros(3)], options).wait(timedelta(seconds=30))
+
+
+def test_a_buffer_broadcast_whose_collective_fails_fails_the_step_instead_of_raising() -> None:
+    """gloo's own timeout (0.5 s) fails the broadcast, as a peer's reset connection does: no exception reaches
+    the forward pass."""
+    pair = gloo_pair(timeout=timedelta(seconds=0.5))
+    hook, health = hook_for(pair[1])
+    held = buffers(1)
+    hook.sync_buffers(held)
+    failure = health.failure
+    assert failure is not None and "broadcast of the module's buffers failed" in failure.reason, failure
+    assert failure.bucket == BUFFERS
+    assert torch.equal(held["bn.running_mean"], torch.ones(3))
+
+
+def test_ddp_runs_the_buffer_hook_before_each_forward(world_of_one: None) -> None:
+    model = torch.nn.parallel.DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))
+    )
+    hook = ResilientAllReduce(GroupHolder(), StepHealth())
+    hook.register(model)
+    seen: list[list[str]] = []
+    sync = hook.sync_buffers
+    hook.sync_buffers = lambda named: (seen.append(sorted(named)), sync(named))[1]  # type: ignore[method-assign]
+    for _ in range(2):
+        model(torch.ones(4, 2)).sum().backward()
+    names = ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert seen == [names, names]
+    assert not hook.health.failed

@@ -10,6 +10,11 @@ discarded): DDP waits for all buckets before the backward pass returns, so
 completing only the failed one would leave the step blocked on the next. Buckets that become ready after the failure
 complete at once without touching the broken group. The optimizer step is then skipped by the step guard.
 
+The buffers DDP broadcasts from rank 0 before each forward (BatchNorm's statistics, BERT's position ids) go through the
+same machinery (:meth:`ResilientAllReduce.sync_buffers`, registered as DDP's buffer hook): a peer lost during that
+broadcast fails the step like a bucket's all-reduce, where DDP's own broadcast raised out of the forward pass and the
+worker died (the group then restarted cold).
+
 Where the bucket is reduced: gloo in torch 2.13 cannot abort a pending collective (only ``Work.wait(timeout)``
 gives control back; ``abort()``, ``shutdown()`` and ``destroy_process_group()`` leave the operation running until
 the group's timeout), so an abandoned all-reduce may still write into its tensor later. DDP's bucket itself is
@@ -45,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel.distributed import _BufferCommHookLocation
 
 from elasticd.worker.hot.backend import keep_forever
 from elasticd.worker.hot.errors import UnsupportedSetup
@@ -66,6 +72,8 @@ DEFAULT_POLL_INTERVAL = timedelta(milliseconds=1)
 # A completed work is asked for its error with a wait that returns at once; a positive timeout makes NCCL's wait
 # block the host (and raise) instead of only ordering the current stream after it.
 _COMPLETED_WAIT = timedelta(seconds=5)
+# The in-flight entry of the buffers' broadcast (DDP's buckets are numbered from 0).
+BUFFERS = -1
 
 
 class GroupHolder:
@@ -89,7 +97,7 @@ class GroupHolder:
 
 @dataclass(eq=False, slots=True)
 class _InFlight:
-    bucket: int
+    bucket: int  # DDP's bucket index; BUFFERS for the module's buffers
     generation: int
     gradient: torch.Tensor  # DDP's bucket: what the step gets back after a failure (the step is discarded)
     reduced: torch.Tensor  # what the collective writes into: the bucket itself, or a copy of it
@@ -99,6 +107,10 @@ class _InFlight:
     group: Any  # the group the collective is issued on
     settled: bool = False
     work: Any = None  # the collective, once issued: kept while the entry lives, and past its end if it is given up on
+
+    @property
+    def what(self) -> str:
+        return "broadcast of the module's buffers" if self.bucket == BUFFERS else f"all-reduce of bucket {self.bucket}"
 
 
 class ResilientAllReduce:
@@ -163,6 +175,9 @@ class ResilientAllReduce:
             if "only be called once" in str(exc):
                 raise UnsupportedSetup("a user communication hook", "the model already has one") from None
             raise
+        # DDP calls it before each forward, only when it would broadcast the buffers itself (broadcast_buffers, a
+        # model with buffers, outside no_sync)
+        model._register_buffer_comm_hook(self, resilient_buffer_hook, _BufferCommHookLocation.PRE_FORWARD)
 
     # -- the hook ------------------------------------------------------------------------------------------------
 
@@ -184,16 +199,51 @@ class ResilientAllReduce:
             reduced = gradient.div_(group.size())
         else:
             reduced = torch.div(gradient, group.size(), out=self._copy_for(index, gradient))
-        entry = _InFlight(
-            bucket=index,
-            generation=generation,
-            gradient=gradient,
-            reduced=reduced,
-            future=future,
-            deadline=time.monotonic() + self.timeout_s,
-            polled=polled,
-            group=group,
+        deadline = time.monotonic() + self.timeout_s
+        entry = _InFlight(index, generation, gradient, reduced, future, deadline, polled, group)
+        self._issue(entry, _all_reduce)
+        return future
+
+    def sync_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """DDP's buffer hook, before each forward: rank 0's buffers broadcast to every rank, as DDP's own broadcast
+        does, on the group held, with the buckets' bounded wait. A failure (a peer lost, the notice, the deadline)
+        fails the step instead of raising out of the forward pass (BatchNorm's statistics, BERT's position ids: a
+        node lost during the broadcast took the whole group cold); the buffers then keep this rank's values, and the
+        step is discarded. One broadcast per dtype and device."""
+        layouts: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for tensor in buffers.values():
+            layouts.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+        for tensors in layouts.values():
+            if not self._broadcast(tensors):
+                return  # the step failed: leave the broken group alone
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> bool:
+        """Broadcast ``tensors`` (one dtype, one device) from rank 0, through a new flat tensor (a broadcast given up
+        on may still write into it later: it is no tensor of the model); False when the step failed."""
+        generation, failed = self.health.state()
+        if failed:
+            return False
+        flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+        on_device = flat.device.type != "cpu"
+        future: torch.futures.Future[torch.Tensor] = (
+            torch.futures.Future(devices=[flat.device]) if on_device else torch.futures.Future()
         )
+        polled = on_device if self.poll is None else self.poll
+        deadline = time.monotonic() + self.timeout_s
+        self._issue(_InFlight(BUFFERS, generation, flat, flat, future, deadline, polled, self.holder.group), _broadcast)
+        future.wait()
+        if self.health.state()[1]:
+            return False  # what the broadcast wrote, if anything, is not used
+        offset = 0
+        for tensor in tensors:
+            tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+        return True
+
+    def _issue(self, entry: _InFlight, collective: Callable[[Any, torch.Tensor], Any]) -> None:
+        """Put ``entry`` in flight and issue its collective (``group.allreduce``, ``group.broadcast``): its future is
+        settled when the collective ends, or at once with the step failed (notice, abort, deadline, an error)."""
+        generation, polled = entry.generation, entry.polled
         with self._cond:
             if not self._in_flight and self.notice_interval_s is not None:
                 self._cond.notify_all()  # start the notice's clock now
@@ -205,11 +255,11 @@ class ResilientAllReduce:
             noticed = self._ask_notice()
             if noticed is not None:
                 self._fail(generation, f"failure notice: {noticed}", None)
-                return future
+                return
         try:
             # What dist.all_reduce calls underneath, without its registry lookup: the group held need not be
             # registered (re-forming takes the old default group out of torch's registry).
-            work = group.allreduce([entry.reduced])
+            work = collective(entry.group, entry.reduced)
             with self._cond:
                 # Kept while the entry lives, and past it when the step fails: _fail keeps the works it sees, and a
                 # failure that came while the collective was being issued (a nudge, another bucket) is seen here.
@@ -222,8 +272,7 @@ class ResilientAllReduce:
             elif not polled:
                 work.get_future().add_done_callback(lambda done: self._on_done(entry, done))
         except Exception as exc:  # a group that is already broken may refuse the call itself
-            self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} refused: {exc}", entry.bucket)
-        return future
+            self._fail(entry.generation, f"{entry.what} refused: {exc}", entry.bucket)
 
     def nudge(self) -> None:
         """The notice may have changed: ask it now if a bucket is in flight. Thread-safe, cheap."""
@@ -253,7 +302,7 @@ class ResilientAllReduce:
         try:
             done.value()
         except Exception as exc:
-            self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} failed: {exc}", entry.bucket)
+            self._fail(entry.generation, f"{entry.what} failed: {exc}", entry.bucket)
             return
         with self._cond:
             if entry.settled:
@@ -268,7 +317,7 @@ class ResilientAllReduce:
         try:
             entry.work.wait(_COMPLETED_WAIT)
         except Exception as exc:
-            self._fail(entry.generation, f"all-reduce of bucket {entry.bucket} failed: {exc}", entry.bucket)
+            self._fail(entry.generation, f"{entry.what} failed: {exc}", entry.bucket)
             return
         with self._cond:
             if entry.settled:
@@ -310,7 +359,7 @@ class ResilientAllReduce:
         throw its stored IoException: std::terminate, "Fatal Python error: Aborted" while garbage-collecting, seen
         in tests), and a bucket it reduces in place is not reduced in place again meanwhile. One the watcher polls
         (a GPU's: NCCL aborts its communicator) is kept for ever, as before (unverified, no GPU here)."""
-        if entry.reduced is entry.gradient:
+        if entry.reduced is entry.gradient and entry.bucket != BUFFERS:
             with self._cond:
                 self._held_buckets[entry.gradient.data_ptr()] = entry.work
         if entry.polled:
@@ -365,9 +414,7 @@ class ResilientAllReduce:
                     self._on_polled(entry)
                 continue  # a deadline that passed meanwhile is seen on the next round
             if late is not None:
-                self._fail(
-                    generation, f"all-reduce of bucket {late.bucket} timed out after {self.timeout_s:g}s", late.bucket
-                )
+                self._fail(generation, f"{late.what} timed out after {self.timeout_s:g}s", late.bucket)
                 continue
             next_notice = time.monotonic() + (interval or 0.0)
             noticed = self._ask_notice()  # outside the lock: it may be a network round trip
@@ -378,6 +425,21 @@ class ResilientAllReduce:
         return ask_notice(self.notice)
 
 
+def _all_reduce(group: Any, tensor: torch.Tensor) -> Any:
+    return group.allreduce([tensor])
+
+
+def _broadcast(group: Any, tensor: torch.Tensor) -> Any:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return group.broadcast([tensor], options)
+
+
 def resilient_allreduce_hook(state: ResilientAllReduce, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's entry point (``register_comm_hook(state, hook)``); the annotations are the ones DDP accepts."""
     return state.reduce(bucket)
+
+
+def resilient_buffer_hook(state: ResilientAllReduce, buffers: dict[str, torch.Tensor]) -> None:
+    """DDP's buffer entry point (``_register_buffer_comm_hook``): nothing for DDP to wait on afterwards."""
+    state.sync_buffers(buffers)

@@ -24,7 +24,7 @@ nodes a node loss took 6.7 s to decide, and 256 never decided). A healthy step c
 key. The watches are renewed from the last revision seen every :data:`_WATCH_SLICE_S` (a stream that a failover
 replaced silently is thus replaced too); after an etcd error or a compaction everything is read again. A stream on a
 member that went silent (its link down) is found dead by the client's pings within ~9 s (``etcd/client.py``), and the
-error moves the client to another member.
+read that follows moves to another member (after one request timeout on the silent one).
 """
 
 from __future__ import annotations
