@@ -252,13 +252,10 @@ class Membership:
         self._client.delete_prefix(self._keys.membership_joiners_prefix(epoch))
         return self._client.delete_prefix(self._keys.membership_bids_prefix(epoch))
 
-    def revision(self) -> int:
-        """The store's revision now (a wait from the next one misses nothing written after this read)."""
-        return self._client.revision()
-
-    def count_bids(self, epoch: int) -> int:
-        """How many bids ``epoch`` has (one small answer whatever the count)."""
-        return self._client.count_prefix(self._keys.membership_bids_prefix(epoch))
+    def count_bids(self, epoch: int) -> tuple[int, int]:
+        """How many bids ``epoch`` has, and the revision they were counted at (:meth:`wait_for_bids` from it misses
+        no bid written after): one small answer whatever the count."""
+        return self._client.count_prefix_at(self._keys.membership_bids_prefix(epoch))
 
     def wait_for_bids(self, epoch: int, revision: int, timeout_s: float) -> bool:
         """Wait until a bid for ``epoch`` changes after ``revision`` (False: none did within ``timeout_s``)."""

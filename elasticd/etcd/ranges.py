@@ -52,9 +52,14 @@ class RangeReads:
         return found, int(response.header.revision)
 
     def count_prefix(self, prefix: str) -> int:
+        return self.count_prefix_at(prefix)[0]
+
+    def count_prefix_at(self, prefix: str) -> tuple[int, int]:
+        """How many keys lie under ``prefix``, and the revision of that answer (a wait from the next one misses
+        nothing written after it): one small answer whatever the count."""
         check_prefix(prefix)
         response = self._call("count", lambda: self._raw.get_prefix_response(prefix, count_only=True))
-        return int(response.count)
+        return int(response.count), int(response.header.revision)
 
     def count_range(self, start: str, end: str, revision: int | None = None) -> int:
         """How many keys lie in ``[start, end)`` as of ``revision`` (None: now): one small answer whatever the count."""

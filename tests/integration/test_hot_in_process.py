@@ -415,7 +415,12 @@ def test_ddp_runs_the_buffer_hook_before_each_forward(world_of_one: None) -> Non
     hook.register(model)
     seen: list[list[str]] = []
     sync = hook.sync_buffers
-    hook.sync_buffers = lambda named: (seen.append(sorted(named)), sync(named))[1]  # type: ignore[method-assign]
+
+    def counted(named: dict[str, torch.Tensor]) -> None:
+        seen.append(sorted(named))
+        sync(named)
+
+    hook.sync_buffers = counted  # type: ignore[method-assign,assignment]
     for _ in range(2):
         model(torch.ones(4, 2)).sum().backward()
     names = ["1.num_batches_tracked", "1.running_mean", "1.running_var"]

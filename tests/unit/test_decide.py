@@ -44,11 +44,9 @@ class Ledger:
             self.changed.notify_all()
 
     # -- what decide() asks of Membership
-    def revision(self) -> int:
-        return self.version
-
-    def count_bids(self, epoch: int) -> int:
-        return len(self.bids)
+    def count_bids(self, epoch: int) -> tuple[int, int]:
+        with self.changed:
+            return len(self.bids), self.version
 
     def wait_for_bids(self, epoch: int, revision: int, timeout_s: float) -> bool:
         with self.changed:

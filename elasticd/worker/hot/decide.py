@@ -92,8 +92,7 @@ def _as_decider(
     last_count, last_try = -1, float("-inf")
     while True:
         looked = clock()
-        before = membership.revision()  # read first: a bid written after it wakes the wait below
-        count = membership.count_bids(target)
+        count, before = membership.count_bids(target)  # a bid written after this count wakes the wait below
         now = clock()
         if (count != last_count and (count >= expected or now - last_try >= FULL_READ_S)) or now - last_try >= RETRY_S:
             last_count, last_try = count, now

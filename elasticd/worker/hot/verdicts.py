@@ -43,9 +43,8 @@ class Verdicts:
         self._daemons: dict[str, str] = {}  # node -> where its daemon greets
 
     def is_dead(self, member: str, epoch: int) -> bool:
-        if member in self._dead:
-            return True
-        dead = self.is_gone(member, epoch)
+        """:meth:`is_gone`, or its node's daemon gone or stopped (the greeting): what a decision counts dead."""
+        dead = self.is_gone(member, epoch)  # True at once for a member judged dead before
         if not dead:
             record = self.record(member)
             dead = record is not None and self.daemon_gone(str(record["node"]))
