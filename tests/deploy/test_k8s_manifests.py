@@ -34,9 +34,14 @@ import yaml
 from elasticd import cli
 from elasticd.config import StartConfig
 from elasticd.config_file import load_config_file
+from elasticd.endpoints import parse_endpoints
 from elasticd.errors import EXIT_USAGE
 from elasticd.etcd.access import PASSWORD_ENV
+from elasticd.etcd.client import EtcdClient
 from elasticd.etcd.server import find_etcd_binary
+from elasticd.keys import RunKeys
+from elasticd.membership import Bid, Epoch, Membership
+from elasticd.worker.hot.decide import decide
 from tests.helpers import ETCD_READY_TIMEOUT_S, free_port, kill_tree, records
 from tests.integration.cluster import EXAMPLE, train_args, wait_until
 
@@ -734,3 +739,34 @@ def test_auth_script_is_idempotent_and_elasticd_trains_as_its_least_privileged_u
     run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "checkpoints" / "k8s" / "step-000000000010" / "elasticd.json").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_the_least_privileged_user_decides_a_change_in_place(secured_etcd: dict[str, str], certs: Path) -> None:
+    """A change in place as the elasticd user: the members bid and their decider decides, on the run's keys alone.
+    At f7f9a29 the decider asked the store's revision through a read of key "\\0", outside the user's prefix:
+    etcd refused it, and every change in place of a least-privileged deployment would have failed (the single-node
+    run above never makes one)."""
+    assert _enable_auth(secured_etcd).returncode == 0
+    client = EtcdClient.connect(
+        parse_endpoints(secured_etcd["ETCDCTL_ENDPOINTS"].removeprefix("https://")),
+        ca_cert=str(certs / "ca.crt"),
+        cert=str(certs / "client.crt"),
+        key=str(certs / "client.key"),
+        user="elasticd",
+        password=(certs / "elasticd-password").read_text(),
+    )
+    try:
+        membership = Membership(client, RunKeys("least-privileged"))
+        members = ["m0", "m1"]
+        for rank, member in enumerate(members):
+            membership.bid(1, Bid(member, rank, 5))
+
+        def attempt() -> Epoch | None:
+            return membership.try_decide(1, members, lambda _m: False, min_members=2, round_=0, reason="failure")
+
+        epoch = decide(membership, 1, members, "m0", lambda _m: False, attempt, timeout_s=30)
+        assert epoch.members == ("m0", "m1") and epoch.step == 5
+    finally:
+        client.close()
