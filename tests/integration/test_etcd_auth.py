@@ -136,7 +136,9 @@ def _start_dev_etcd(port: int, data_dir: Path) -> tuple[subprocess.Popen[str], l
 def _stop(proc: subprocess.Popen[str]) -> int:
     proc.send_signal(signal.SIGTERM)
     try:
-        return proc.wait(timeout=30)
+        # etcd gets 10 s to stop, then SIGKILL (EmbeddedEtcd.stop); on a loaded CI box the whole exit once took over
+        # 30 s (a fresh-clone run at 0a6394b; three other runs that day passed)
+        return proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
