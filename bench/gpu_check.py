@@ -1,48 +1,45 @@
-"""Hot recovery on NCCL, the check to run the day a GPU is lent: node loss and warm join, with figures.
+"""The product on a GPU, checked by one command: ``elasticd start`` nodes, the worker library and the example scripts
+with their model on the device, one line per scenario with its figure and verdict, raw JSON under bench/results/.
 
-**The NCCL path (elasticd/worker/hot/backend.py, the hook's polling, the heal on the GPU) was written from torch's
-code and NCCL's documents on a machine without a GPU: it is unverified until this check passes on one.** The same
-driver runs on the CPU with ``--backend gloo``, which is how the driver itself was tested.
+**Not yet run on a GPU** (none has been lent where this was written): ``--backend gloo --device cpu`` runs the same
+scenarios on the CPU, which is how the suite tests this script (tests/integration/test_gpu_check.py). On a machine
+with one GPU (``--device cuda``, the default), every scenario's workers share GPU 0:
 
-Each worker is tests/integration/scripts/hot_worker.py (one process per GPU, ``cuda:LOCAL_RANK``; NCCL refuses two
-ranks of one communicator on the same GPU, so ``nccl`` needs 2 GPUs and uses 3 when it has them). This process plays
-the daemons, as tests/integration/test_hot_core.py does: it hosts the store, kills a worker, decides the next
-membership from the survivors' announcements. Its decisions keep the survivors in their old order and name the one
-with the most committed steps as the heal source, so that a node loss is a pure shrink: when every survivor says it
-can shrink in place, the decision lets them (``ncclCommShrink``), else they form a new communicator. Each trial
-reports which one ran.
+- ``elastic``: bench/recovery.py's 7 kB job (examples/train.py) on 3 ``elasticd start`` nodes, one worker each, the
+  model on the device and the group on gloo (DDP takes CUDA tensors over gloo; NCCL refuses two ranks of a group on
+  one GPU): a join (2 -> 3 nodes) and a node loss (kill -9 of a whole node, 3 -> 2), both in place; seconds to the
+  first step at the new size, as bench/recovery.py reports them.
+- ``checkpoint``: examples/train.py's MLP sized to each ``--state-mb`` of weights and AdamW moments (default 1024 and
+  8192 on a GPU, 16 on the CPU), on 2 nodes: what a save blocks training for, asynchronous (the device -> host copy
+  into pinned buffers, then a background write) against blocking, per committed save from the daemons' Prometheus
+  histograms; then a node of the asynchronous job is killed and the other resumes alone (world size 2 -> 1) from
+  the newest commit.
+- ``bf16_nan``: examples/text_classification.py, bf16 autocast from an accelerate config file, a NaN injected into
+  rank 0's batch on the device (``ELASTICD_FAULT``): the guard's verdict, the run's end.
+- ``device_error``: a worker of 2 indexes out of bounds on its device (on a GPU a real CUDA error, which leaves its
+  CUDA context unusable): the documented fallback, the worker exits and a fresh process takes its place.
+- ``backend_cycles``: ``--backend``'s group at world size 1 through elasticd's backend code (bench/gpu_backend_
+  cycles.py; NCCL: init, all-reduce on the GPU, ``ncclCommAbort``, re-init), ``--cycles`` times.
+- ``nccl_multi`` (2+ GPUs; on the CPU only when asked for): NCCL node loss and join in place across GPUs
+  (bench/gpu_nccl_multi.py). On one GPU it is reported as not run.
 
-Scenarios (``n`` = 3 on gloo, min(3, GPUs) on nccl), each ``--trials`` times:
+    bench/gpu_check.sh [--device cuda|cpu] [--backend nccl|gloo] [--scenarios ...] [--state-mb MB ...]
+                       [--json OUT] [--logs DIR]
 
-- ``node_loss``: ``n`` workers train; the one of rank ``--victim`` gets SIGKILL. From the kill to every survivor's
-  failed step (``detected_s``) and to the last survivor's first completed step at ``n - 1`` (``recovered_s``).
-- ``join``: ``n - 1`` workers train; a warm joiner (imported and prepared) announces itself and is admitted at a
-  step boundary. The members' stall (admitting boundary to their first step at ``n``), the joiner's announcement to
-  its first step.
-
-Both check that the workers end with the same weights and that no committed step was lost or repeated.
-
-    python bench/gpu_check.py [--backend nccl|gloo] [--trials 3] [--victim 0] [--json OUT] [--logs DIR]
-
-Exit status: 0 when every trial recovered as expected, 1 when one did not, 2 when this machine cannot run the check
-(one line says why). Raw results go to ``bench/results/gpu_check-<backend>-<short commit>.json`` unless ``--json``
-says otherwise.
+Exit status: 0 every scenario ok, 1 one failed, 2 this machine cannot run the check (one line says why). The raw
+results go to ``bench/results/gpu_check-<device>-<backend>-<short commit>.json`` unless ``--json`` says otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
+import functools
 import json
-import os
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,358 +47,155 @@ if __package__ in (None, ""):  # run as `python bench/gpu_check.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-import torch.distributed as dist
 
-from bench.common import code_revision, interrupt_on_sigterm, machine, results_path, text_table, versions, write_results
-from elasticd.worker.hot.backend import worker_env
-from elasticd.worker.hot.heal import order_by_progress
+from bench import gpu_nccl_multi, gpu_scenarios, recovery
+from bench.common import (
+    BenchTimeout,
+    code_revision,
+    interrupt_on_sigterm,
+    machine,
+    results_path,
+    snapshot_code,
+    versions,
+    write_results,
+)
+from bench.gpu_jobs import Target
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "tests" / "integration" / "scripts" / "hot_worker.py"
-# One scenario's whole run (spawn, imports, 20-odd steps, the change, exit); the box may be busy.
-SCENARIO_TIMEOUT_S = 120.0
-# The shell script allows 5 minutes in all; a trial is not started with less than this left (s).
-TRIAL_MIN_S = 45.0
-STEADY_STEPS = 5  # committed steps every worker has before the change
-STEP_SLEEP_MS = "10"
-
-
-class CannotRun(Exception):
-    """This machine cannot run the check (the message says why, in one line)."""
-
-
-def slots_for(backend: str) -> int:
-    """How many workers the scenarios use: 3, or as many GPUs as there are (at least 2) on NCCL."""
-    if backend == "gloo":
-        return 3
-    if not dist.is_nccl_available() or torch.version.cuda is None:
-        raise CannotRun(f"this torch ({torch.__version__}) is a CPU build without NCCL: install a CUDA build of torch")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus < 2:
-        raise CannotRun(
-            f"{gpus} GPU(s) visible: the nccl check needs 2 (NCCL refuses two ranks of one communicator on one GPU)"
-        )
-    return min(3, gpus)
+# in this order: the short ones first, the checkpoint's GBs last but for the multi-GPU harness
+SCENARIOS = ("backend_cycles", "bf16_nan", "device_error", "elastic", "checkpoint", "nccl_multi")
+# the MLP's width per device: 4096 units make 8 GB of state in ~43 layers on a GPU; 512 keep the CPU's small
+WIDTH = {"cuda": 4096, "cpu": 512}
+STATE_MB = {"cuda": [1024, 8192], "cpu": [16]}
+BUDGET_S = 330.0  # under 6 minutes in all: bench/gpu_check.sh's timeout is 6 minutes
 
 
-class Conductor:
-    """The daemons' part for one scenario: the store, the workers, membership decisions after a failure."""
-
-    def __init__(self, out: Path, backend: str, extra: tuple[str, ...] = ()) -> None:
-        self.out = out
-        out.mkdir(parents=True, exist_ok=True)
-        self.backend = backend
-        self.extra = extra  # more worker options, for every worker
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.members: list[str] = []
-        self.epoch = 0
-        self.decisions: list[dict[str, Any]] = []
-
-    def start(self, worker_id: str, slot: int, *args: str) -> None:
-        env = {**os.environ, **worker_env(os.environ)}
-        env.update(OMP_NUM_THREADS="1", LOCAL_RANK=str(slot), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, str(SCRIPT), "--id", worker_id, "--port", str(self.store.port), "--out", str(self.out)]
-        with (self.out / f"{worker_id}.log").open("wb") as log:
-            self.procs[worker_id] = subprocess.Popen(
-                [*cmd, "--backend", self.backend, *self.extra, *args],
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def start_group(self, ids: list[str], *args: str) -> None:
-        self.members = list(ids)
-        for rank, worker_id in enumerate(ids):
-            self.start(
-                worker_id, rank, "--rank", str(rank), "--world", str(len(ids)), "--members", ",".join(ids), *args
-            )
-
-    def progress(self, worker_id: str) -> int:
-        key = f"hot/progress/{worker_id}"
-        return int(json.loads(self.store.get(key))["step"]) if self.store.check([key]) else 0
-
-    def kill(self, worker_id: str) -> float:
-        killed_at = time.monotonic()
-        os.killpg(self.procs[worker_id].pid, signal.SIGKILL)
-        return killed_at
-
-    def serve(self, until: Callable[[], bool] = lambda: False) -> None:
-        deadline = time.monotonic() + SCENARIO_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if until():
-                return
-            self._admissions()
-            self._failures()
-            if all(p.poll() is not None for p in self.procs.values()):
-                return
-            if any(p.poll() not in (None, 0, -signal.SIGKILL) for p in self.procs.values()):
-                raise RuntimeError(f"a worker failed: {self.exit_codes()}\n{self.logs()}")
-            time.sleep(0.005)
-        raise RuntimeError(f"the scenario did not finish in {SCENARIO_TIMEOUT_S:.0f}s\n{self.logs()}")
-
-    def _admissions(self) -> None:
-        key = f"hot/e{self.epoch}/admit"
-        if self.store.check([key]):
-            admit = json.loads(self.store.get(key))
-            self.members = sorted(admit["ranks"], key=admit["ranks"].get)
-            self.epoch += 1
-
-    def _failures(self) -> None:
-        alive = {m for m in self.members if self.procs[m].poll() is None}
-        dead = [m for m in self.members if m not in alive]
-        notice = f"hot/e{self.epoch}/notice"
-        if dead and not self.store.check([notice]):
-            self.store.set(notice, f"{', '.join(dead)} died")  # the daemons' liveness verdict
-        announced = {}
-        for member in self.members:
-            key = f"hot/e{self.epoch}/ann/{member}"
-            if self.store.check([key]):
-                announced[member] = json.loads(self.store.get(key))
-        if not announced or not alive <= set(announced):
-            return  # a live member has not seen the failure yet: wait for it, never for a timer
-        order = sorted(announced, key=lambda m: announced[m]["rank"])  # the old order: a node loss is a pure shrink
-        source = order.index(order_by_progress({m: announced[m]["step"] for m in order})[0])
-        decision: dict[str, Any] = {"ranks": {m: r for r, m in enumerate(order)}, "world": len(order), "source": source}
-        if all(a["can_shrink"] for a in announced.values()):
-            decision["previous"] = [announced[m]["rank"] for m in order]
-        self.store.set(f"hot/e{self.epoch}/decision", json.dumps(decision))
-        self.decisions.append({**decision, "announced": announced})
-        self.members = order
-        self.epoch += 1
-
-    def result(self, worker_id: str) -> dict[str, Any]:
-        path = self.out / f"{worker_id}.json"
-        if not path.exists():
-            raise RuntimeError(f"{worker_id} left no result\n{self.logs()}")
-        return dict(json.loads(path.read_text()))
-
-    def weights(self, worker_id: str) -> dict[str, torch.Tensor]:
-        return dict(torch.load(self.out / f"{worker_id}.pt", map_location="cpu"))
-
-    def exit_codes(self) -> dict[str, int | None]:
-        return {w: p.poll() for w, p in self.procs.items()}
-
-    def logs(self) -> str:
-        parts = []
-        for worker_id in self.procs:
-            text = (self.out / f"{worker_id}.log").read_text(errors="replace")
-            parts.append(f"--- {worker_id} (exit {self.procs[worker_id].poll()}) ---\n{text[-2500:]}")
-        return "\n".join(parts)
-
-    def close(self) -> None:
-        for process in self.procs.values():
-            if process.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=30)
-
-
-@contextlib.contextmanager
-def conducted(out: Path, backend: str, extra: tuple[str, ...]) -> Iterator[Conductor]:
-    c = Conductor(out, backend, extra)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-def first(result: dict[str, Any], name: str, after: float = 0.0) -> dict[str, Any]:
-    found = [e for e in result["events"] if e["event"] == name and e["t"] >= after]
-    if not found:
-        raise RuntimeError(f"{result['id']} has no {name!r} event after {after}")
-    return dict(found[0])
-
-
-def weights_spread(weights: list[dict[str, torch.Tensor]]) -> float:
-    """The largest absolute difference of any parameter between the workers (0.0: identical)."""
-    spread = 0.0
-    for other in weights[1:]:
-        for name, tensor in weights[0].items():
-            spread = max(spread, float((other[name].float() - tensor.float()).abs().max()))
-    return spread
-
-
-def steps_contiguous(result: dict[str, Any]) -> bool:
-    """Committed steps count up by one, except where the heal moved a member to the source's count."""
-    steps = [s["step"] for s in result["steps"]]
-    healed = {e["step"] for e in result["events"] if e["event"] == "healed"}
-    return all(b == a + 1 or (b - 1) in healed for a, b in itertools.pairwise(steps))
-
-
-def median_step_ms(result: dict[str, Any], world: int) -> float | None:
-    times = [s["t"] for s in result["steps"] if s["world"] == world]
-    gaps = [b - a for a, b in itertools.pairwise(times)]
-    return statistics.median(gaps) * 1000 if gaps else None
-
-
-def node_loss(out: Path, backend: str, n: int, victim: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    ids = [f"w{i}" for i in range(n)]
-    with conducted(out, backend, extra) as c:
-        c.start_group(ids, "--steps", "8", "--after", "15", "--expect-changes", "1", "--step-sleep-ms", STEP_SLEEP_MS)
-        c.serve(until=lambda: all(c.progress(w) >= STEADY_STEPS for w in ids))
-        killed_at = c.kill(ids[victim])
-        c.serve()
-        survivors = [w for w in ids if w != ids[victim]]
-        expected = {w: (-signal.SIGKILL if w == ids[victim] else 0) for w in ids}
-        if c.exit_codes() != expected:
-            raise RuntimeError(f"exit codes {c.exit_codes()}, expected {expected}\n{c.logs()}")
-        results = {w: c.result(w) for w in survivors}
-        reformed = [first(r, "reformed", killed_at) for r in results.values()]
-        healed = [first(r, "healed", killed_at) for r in results.values()]
-        (decision,) = c.decisions
-        most = max(a["step"] for a in decision["announced"].values())
-        return {
-            "world": [n, n - 1],
-            "victim_rank": victim,
-            "detected_s": max(first(r, "failed", killed_at)["t"] for r in results.values()) - killed_at,
-            "recovered_s": max(first(r, "first_step", killed_at)["t"] for r in results.values()) - killed_at,
-            "reform_s": max(e["seconds"] for e in reformed),
-            "heal_s": max(e["seconds"] for e in healed),
-            "method": sorted({e["method"] for e in reformed}),
-            "shrink_offered": "previous" in decision,
-            "lost_steps": sum(most - e["step"] for e in healed),  # 0: every survivor continued from the most advanced
-            "steps_contiguous": all(steps_contiguous(r) for r in results.values()),
-            "step_ms_before": median_step_ms(results[survivors[0]], n),
-            "step_ms_after": median_step_ms(results[survivors[0]], n - 1),
-            "weights_spread": weights_spread([c.weights(w) for w in survivors]),
-        }
-
-
-def join(out: Path, backend: str, n: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    members = [f"w{i}" for i in range(n - 1)]
-    common = ("--after", "15", "--expect-changes", "1", "--step-sleep-ms", STEP_SLEEP_MS)
-    with conducted(out, backend, extra) as c:
-        c.start_group(members, "--steps", "10", "--expect-joiner", "--join-cap", "2000", *common)
-        c.start("j", n - 1, "--joiner", "--steps", "0", *common)
-        c.serve(
-            until=lambda: c.store.check(["hot/join/prepared/j"]) and all(c.progress(w) >= STEADY_STEPS for w in members)
-        )
-        c.store.set("hot/join/go", "1")
-        c.serve()
-        if c.exit_codes() != {w: 0 for w in [*members, "j"]}:
-            raise RuntimeError(f"exit codes {c.exit_codes()}\n{c.logs()}")
-        results = {w: c.result(w) for w in [*members, "j"]}
-        stalls = []
-        for w in members:
-            admitting = first(results[w], "admitting")
-            stalls.append(first(results[w], "first_step", admitting["t"])["t"] - admitting["t"])
-        joiner = results["j"]
-        healed = first(joiner, "healed")
-        return {
-            "world": [n - 1, n],
-            "members_stall_s": max(stalls),
-            "joiner_announced_to_first_step_s": first(joiner, "first_step")["t"] - first(joiner, "announced")["t"],
-            "reform_s": max(first(r, "reformed")["seconds"] for r in results.values()),
-            "heal_s": healed["seconds"],
-            "heal_payload_bytes": healed["payload"],
-            "joiner_first_step": joiner["steps"][0]["step"] if joiner["steps"] else None,
-            "joiner_healed_to_step": healed["step"],
-            "steps_contiguous": all(steps_contiguous(r) for r in results.values()),
-            "step_ms_before": median_step_ms(results[members[0]], n - 1),
-            "step_ms_after": median_step_ms(results[members[0]], n),
-            "weights_spread": weights_spread([c.weights(w) for w in results]),
-        }
-
-
-def verdict(scenario: str, sample: dict[str, Any]) -> str | None:
-    """What is wrong with a sample, or None."""
-    if not sample["steps_contiguous"]:
-        return "a committed step was lost or repeated"
-    if sample["weights_spread"] > 1e-5:
-        return f"the workers' weights differ by {sample['weights_spread']:.2e}"
-    if scenario == "node_loss" and sample["lost_steps"]:
-        return f"{sample['lost_steps']} committed steps lost"
-    if scenario == "join" and sample["joiner_first_step"] != sample["joiner_healed_to_step"] + 1:
-        return "the joiner did not continue from the members' step count"
+def cannot_run(device: str, backend: str) -> str | None:
+    """Why this machine cannot run the check on ``device`` and ``backend``, or None."""
+    if device == "cuda":
+        if torch.version.cuda is None:
+            return f"this torch ({torch.__version__}) is a CPU build: bench/gpu_check.sh --install puts a CUDA build in"
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible (nvidia-smi, CUDA_VISIBLE_DEVICES)"
+    elif backend == "nccl":
+        return "--device cpu runs gloo only (NCCL needs a GPU)"
     return None
 
 
-def summary(samples: dict[str, list[dict[str, Any]]]) -> str:
+def one_line(record: dict[str, Any]) -> str:
+    """A scenario's figure and verdict, for the terminal."""
     figures = {
-        "node_loss": ["detected_s", "recovered_s", "reform_s", "heal_s", "step_ms_before", "step_ms_after"],
-        "join": ["members_stall_s", "joiner_announced_to_first_step_s", "reform_s", "heal_s", "step_ms_after"],
+        k: v
+        for k, v in record.items()
+        if k not in ("scenario", "problem", "milestones", "daemon", "traceback", "samples") and v not in (None, "", [])
     }
-    rows = []
-    for scenario, keys in figures.items():
-        good = [s for s in samples.get(scenario, []) if "error" not in s]
-        for key in keys:
-            values = [s[key] for s in good if s.get(key) is not None]
-            shown = [f"{v:.3f}" for v in values]
-            median = f"{statistics.median(values):.3f}" if values else "-"
-            rows.append([scenario, key, median, " ".join(shown)])
-        methods = sorted({m for s in good for m in s.get("method", [])})
-        if methods:
-            rows.append([scenario, "method", "", ", ".join(methods)])
-    return text_table(["scenario", "figure", "median", "samples"], rows)
+    shown = json.dumps(figures, default=str)
+    verdict = "ok" if record.get("problem") is None else f"FAILED: {record['problem']}"
+    return f"  {record['scenario']}: {verdict}  {shown[:600]}"
 
 
-def main() -> int:
+def run_scenario(
+    name: str, args: argparse.Namespace, target: Target, logs: Path, started: float
+) -> list[dict[str, Any]]:
+    workdir = logs / name
+    if name == "elastic":
+        return gpu_scenarios.elastic(target, workdir)
+    if name == "checkpoint":
+        width = args.width or WIDTH[args.device]
+        records: list[dict[str, Any]] = []
+        for mb in args.state_mb:
+            label = f"checkpoint_{mb}mb"
+            if time.monotonic() - started > args.budget_s:
+                records.append({"scenario": label, "problem": f"not run: past the {args.budget_s:g} s budget"})
+            else:
+                records += _guarded(label, functools.partial(gpu_scenarios.checkpoint, target, workdir, mb, width))
+        return records
+    if name == "bf16_nan":
+        return gpu_scenarios.bf16_nan(target, workdir)
+    if name == "device_error":
+        return gpu_scenarios.device_error(target, workdir)
+    if name == "backend_cycles":
+        return gpu_scenarios.backend_cycles(target, workdir, args.backend, args.cycles)
+    return nccl_multi(args, workdir)
+
+
+def nccl_multi(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    gpus = torch.cuda.device_count() if args.device == "cuda" else 0
+    if args.device == "cuda" and gpus < 2:
+        return [
+            {"scenario": "nccl_multi", "not_run": f"{gpus} GPU: NCCL's multi-rank recovery needs 2+", "problem": None}
+        ]
+    deadline = time.monotonic() + max(60.0, args.budget_s / 3)
+    record = gpu_nccl_multi.run(args.backend, workdir, trials=1, victim=0, poll=False, deadline=deadline)
+    problems = [s.get("problem") for samples in record["samples"].values() for s in samples if s.get("problem")]
+    return [{"scenario": "nccl_multi", **record, "problem": problems[0] if problems else None}]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", choices=["nccl", "gloo"], default="nccl")
-    p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--victim", type=int, default=0, help="rank killed in node_loss (0: the store never dies with it)")
-    p.add_argument("--scenarios", nargs="+", choices=["node_loss", "join"], default=["node_loss", "join"])
-    p.add_argument("--poll", action="store_true", help="gloo: the hook polls every bucket, as it does on a GPU")
-    p.add_argument("--budget-s", type=float, default=270.0, help="start no trial that could end past this (s)")
-    p.add_argument("--json", type=Path, help="raw results (default: bench/results/gpu_check-<backend>-<commit>.json)")
-    p.add_argument("--logs", type=Path, help="keep the workers' logs and results here (default: a temporary dir)")
-    args = p.parse_args()
-    try:
-        n = slots_for(args.backend)
-    except CannotRun as exc:
-        print(f"gpu_check: {exc}", file=sys.stderr)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--backend", choices=["nccl", "gloo"], default=None, help="backend_cycles' and nccl_multi's")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=None, help="default: all that apply")
+    p.add_argument("--state-mb", type=int, nargs="+", default=None, help="checkpoint: state sizes (MB)")
+    p.add_argument("--width", type=int, default=None, help="checkpoint: the MLP's units per layer")
+    p.add_argument("--cycles", type=int, default=5, help="backend_cycles: form -> all-reduce -> retire cycles")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no scenario past this (s)")
+    p.add_argument("--json", type=Path, help="raw results (default: bench/results/gpu_check-<device>-<backend>-...)")
+    p.add_argument("--logs", type=Path, help="keep every node's logs here (default: a temporary dir)")
+    args = p.parse_args(argv)
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    args.state_mb = args.state_mb or STATE_MB[args.device]
+    if args.scenarios is None:  # on the CPU the multi-GPU harness only when asked for
+        args.scenarios = [s for s in SCENARIOS if s != "nccl_multi" or args.device == "cuda"]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if (why := cannot_run(args.device, args.backend)) is not None:
+        print(f"gpu_check: {why}", file=sys.stderr)
         return 2
-    if not 0 <= args.victim < n:
-        print(f"gpu_check: --victim {args.victim} is not a rank of {n} workers", file=sys.stderr)
-        return 2
-    extra = ("--poll",) if args.poll else ()
-    interrupt_on_sigterm()  # the shell script's timeout: workers are killed on the way out
+    interrupt_on_sigterm()  # the shell script's timeout: every node is killed on the way out
+    recovery._quiet_timeout_s = 2.0  # a short wait for others' CPU before each measurement, as a budget allows
     started = time.monotonic()
     revision = code_revision()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if args.backend == "nccl" else []
-    mode = f"{args.backend}{' (polled hook)' if args.poll else ''}"
-    print(f"gpu_check: {mode}, {n} workers, commit {revision['commit']}, torch {torch.__version__}, {gpus}")
-    samples: dict[str, list[dict[str, Any]]] = {s: [] for s in args.scenarios}
-    failed = False
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if args.device == "cuda" else []
+    print(f"gpu_check: {args.device}, {args.backend}, commit {revision['commit']}, torch {torch.__version__}, {gpus}")
+    records: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu_check-")))
-        for trial in range(args.trials):
-            for scenario in args.scenarios:
-                if time.monotonic() - started > args.budget_s - TRIAL_MIN_S:
-                    print(f"  {scenario} trial {trial + 1}: skipped, out of time")
-                    continue
-                out = logs / f"{scenario}-{trial + 1}"
-                try:
-                    if scenario == "node_loss":
-                        sample = node_loss(out, args.backend, n, args.victim, extra)
-                    else:
-                        sample = join(out, args.backend, n, extra)
-                    problem = verdict(scenario, sample)
-                except RuntimeError as exc:
-                    sample, problem = {"error": str(exc)}, str(exc).splitlines()[0]
-                    print(str(exc)[-6000:], file=sys.stderr)
-                if problem is not None:
-                    failed = True
-                    sample["problem"] = problem
-                samples[scenario].append(sample)
-                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sample.items() if k != "error"}
-                print(f"  {scenario} trial {trial + 1}: {'FAILED: ' + problem if problem else 'ok'} {shown}")
-    print(summary(samples))
-    path = args.json or results_path(f"gpu_check-{args.backend}", revision)
-    record = {
-        "command": ["python", "bench/gpu_check.py", *sys.argv[1:]],
+        logs.mkdir(parents=True, exist_ok=True)
+        target = Target(args.device, args.backend, snapshot_code(logs / "code"))
+        for name in args.scenarios:
+            if time.monotonic() - started > args.budget_s:
+                new = [{"scenario": name, "problem": f"not run: past the {args.budget_s:g} s budget"}]
+            else:
+                new = _guarded(name, functools.partial(run_scenario, name, args, target, logs, started))
+            print("\n".join(one_line(r) for r in new), flush=True)
+            records += new
+    failed = [r["scenario"] for r in records if r.get("problem") is not None]
+    took = time.monotonic() - started
+    print(f"gpu_check: {len(records) - len(failed)} ok, {len(failed)} failed {failed} in {took:.0f} s")
+    path = args.json or results_path(f"gpu_check-{args.device}-{args.backend}", revision)
+    header = {
+        "command": ["bench/gpu_check.sh", *(argv if argv is not None else sys.argv[1:])],
+        "device": args.device,
         "backend": args.backend,
-        "poll": args.poll,
-        "workers": n,
         "gpus": gpus,
+        "seconds": round(time.monotonic() - started, 1),
         "code": revision,
         "machine": machine(),
         "versions": versions(),
     }
-    write_results(path, {**record, "samples": samples})
+    write_results(path, {**header, "records": records})
     return 1 if failed else 0
+
+
+def _guarded(name: str, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The scenario's records, or one record saying why it broke (a timeout, a node that exited)."""
+    try:
+        return run()
+    except (BenchTimeout, RuntimeError, OSError, StopIteration, KeyError) as exc:
+        return [{"scenario": name, "problem": f"{type(exc).__name__}: {str(exc)[:2000]}"}]
 
 
 if __name__ == "__main__":

@@ -1,18 +1,35 @@
 #!/usr/bin/env bash
-# Hot recovery on NCCL, with figures, in under 5 minutes: kill -9 of one of 3 ranks (survivors' first step at world 2)
-# and a warm join, on one machine with 2+ GPUs (NCCL refuses two ranks of one communicator on one GPU; with 2 GPUs
-# the scenarios are 2 -> 1 and 1 -> 2).
+# The product on a GPU, checked by one command: `elasticd start` nodes, the worker library and the example scripts with
+# their model on the device; one line per scenario with its figure and verdict, raw JSON under bench/results/.
+# Scenarios and figures: bench/gpu_check.py's docstring. Under 6 minutes.
 #
-# UNVERIFIED: the NCCL path (elasticd/worker/hot/backend.py, the hook's polling, the heal on the GPU) was written from
-# torch 2.13's code and NCCL's documents on a machine without a GPU. This is the check to run the day one is lent.
-#
-# Usage: bench/gpu_check.sh [--backend nccl|gloo] [--trials N] [more options: bench/gpu_check.py --help]
-# The venv (ELASTICD_VENV, default .venv) needs a CUDA build of torch 2.13 for nccl: `scripts/setup-venv test` pins
-# torch==2.13.0, which is the CUDA wheel where pip reaches PyPI and no CPU wheel is on disk. `--backend gloo` runs the
-# same scenarios on the CPU (how the driver was tested). Exit: 0 ok, 1 a trial failed, 2 this machine cannot run it.
+# Usage: bench/gpu_check.sh [--install] [--device cuda|cpu] [--backend nccl|gloo] [more: bench/gpu_check.py --help]
+#   --device cpu --backend gloo   the same scenarios on the CPU (what the suite runs: tests/integration/test_gpu_check.py)
+#   --install                     first set a bare machine up: the venv (scripts/setup-venv test) and, for --device
+#                                 cuda, a CUDA build of torch 2.13. On Linux x86-64 PyPI's torch==2.13.0 *is* the CUDA
+#                                 build, so a venv made where pip reaches PyPI has it already; where pip takes a CPU
+#                                 wheel from disk (this project's CI machines), it is replaced from PyTorch's CUDA
+#                                 index: ELASTICD_TORCH_INDEX (default https://download.pytorch.org/whl/cu128).
+# Exit: 0 every scenario ok, 1 one failed, 2 this machine cannot run it (one line says why).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv="${ELASTICD_VENV:-.venv}"
-[ -x "$venv/bin/python" ] || { echo "gpu_check: no virtual environment at $venv (run scripts/setup-venv test)" >&2; exit 2; }
-# The driver starts no trial it could not finish within 270 s; this is the backstop (it kills its workers on TERM).
-exec timeout --kill-after=10 295 "$venv/bin/python" bench/gpu_check.py "$@"
+install=0
+args=()
+for arg in "$@"; do
+  if [ "$arg" = "--install" ]; then install=1; else args+=("$arg"); fi
+done
+device=cuda
+for ((i = 0; i < ${#args[@]}; i++)); do
+  [ "${args[$i]}" = "--device" ] && device="${args[$((i + 1))]:-cuda}"
+done
+if [ "$install" = 1 ]; then
+  scripts/setup-venv test
+  if [ "$device" = cuda ] && ! "$venv/bin/python" -c "import torch, sys; sys.exit(torch.version.cuda is None)"; then
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall "torch==2.13.0" \
+      --index-url "${ELASTICD_TORCH_INDEX:-https://download.pytorch.org/whl/cu128}"
+  fi
+fi
+[ -x "$venv/bin/python" ] || { echo "gpu_check: no virtual environment at $venv (run with --install, or scripts/setup-venv test)" >&2; exit 2; }
+# The driver starts no scenario past its 330 s budget; this is the backstop (it kills every node on TERM).
+exec timeout --kill-after=15 360 "$venv/bin/python" bench/gpu_check.py ${args[@]+"${args[@]}"}

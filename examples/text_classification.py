@@ -142,7 +142,12 @@ def main() -> None:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run.resume(model, optimizer, scheduler)
     if accelerator.is_main_process:
-        started = {"event": "start", "mixed_precision": accelerator.mixed_precision, "step": run.state.step}
+        started = {
+            "event": "start",
+            "mixed_precision": accelerator.mixed_precision,
+            "device": str(accelerator.device),
+            "step": run.state.step,
+        }
         print(json.dumps({**started, "world_size": accelerator.num_processes, "pid": os.getpid()}), flush=True)
 
     record = open(args.record_ids, "a") if args.record_ids else None  # noqa: SIM115

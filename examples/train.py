@@ -18,6 +18,7 @@ import time
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -55,6 +56,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=32, help="units per hidden layer")
     p.add_argument("--depth", type=int, default=1, help="hidden layers (bench/recovery.py's large state: 7 of 4096)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="else accelerate's")
+    p.add_argument(
+        "--process-group-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="else accelerate's (NCCL on GPUs): gloo keeps the model on the GPU and the group on gloo, as workers "
+        "sharing one GPU need (NCCL refuses two ranks of a group on one GPU)",
+    )
     p.add_argument("--record-ids", default=None, help="append the sample ids each rank trains on (tests)")
     p.add_argument("--save-final", default=None, help="write the final weights here (tests)")
     return p.parse_args()
@@ -62,9 +70,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    backend = [InitProcessGroupKwargs(backend=args.process_group_backend)] if args.process_group_backend else []
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         cpu=not torch.cuda.is_available(),  # without it, accelerate on a CPU host ignores WORLD_SIZE and runs alone
+        kwargs_handlers=backend,
     )
     run = elasticd.attach(accelerator)  # finds the newest committed checkpoint, if any
     torch.manual_seed(args.seed)
@@ -76,6 +86,9 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.01 * s))
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     run.resume(model, optimizer, scheduler)  # load_state + data position; a no-op on a fresh run
+    if accelerator.is_main_process:
+        started = {"event": "start", "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)}
+        print(json.dumps({**started, "step": run.state.step, "world_size": accelerator.num_processes}), flush=True)
     record = open(args.record_ids, "a") if args.record_ids else None  # noqa: SIM115
 
     for batch in run.batches(loader, epochs=args.epochs):  # continues exactly where the run stopped

@@ -17,6 +17,9 @@
     sleep@step=12,rank=1          rank 1 stops forever before step 12 (a hang inside the next collective)
     slow@rank=1,seconds=0.2       rank 1 sleeps 0.2 s every step (a straggler)
     jitter@seconds=0.1            every rank sleeps a random 0-0.1 s every step (seeded by rank and step)
+    device_error@step=8,rank=1    rank 1 indexes out of bounds on its device before step 8: on a GPU a real CUDA error
+                                  (a device-side assert, which leaves the process's CUDA context unusable), on the
+                                  CPU the same operation's IndexError (bench/gpu_check.py: the fallback from it)
 
 ``round=N`` limits a fault to the workers of rendezvous round N (``ELASTICD_ROUND``), so a fault does not repeat after
 the restart it causes; ``restart=N`` does the same with torchrun's ``TORCHELASTIC_RESTART_COUNT``.
@@ -33,6 +36,8 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import torch
 
 from elasticd import envvars
 from elasticd.worker.sampler import StepSlice
@@ -108,8 +113,10 @@ class FaultInjector:
         poisoned = [f.samples for f in self._of("nan") if f.samples and f.epoch in (None, epoch)]
         return bool(poisoned) and any(i in s for i in indices for s in poisoned)
 
-    def before_step(self, step: int) -> None:
-        """Called before the micro-batches of ``step``: hangs and stragglers."""
+    def before_step(self, step: int, device: torch.device | None = None) -> None:
+        """Called before the micro-batches of ``step`` (trained on ``device``): hangs, stragglers, device errors."""
+        if device is not None and any(f.covers(step) for f in self._of("device_error")):
+            device_error(device)
         for f in self._of("sleep"):
             if f.covers(step):
                 while True:  # a rank that stops making progress; the watchdog must find it
@@ -146,6 +153,16 @@ class FaultInjector:
             # its main thread first, and a writer that runs on while the main thread waits for a core reaches the
             # fence and commits (seen under load: the "stale" step-20 record of tests/integration/test_lineage.py).
             signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+
+
+def device_error(device: torch.device) -> None:
+    """An out-of-bounds index on ``device``, as a buggy kernel makes one: CUDA's index kernel traps (a device-side
+    assert, raised at the synchronisation as ``torch.AcceleratorError``; the context is unusable from then on), the
+    CPU's raises ``IndexError`` at once."""
+    probe = torch.zeros(1, device=device)
+    probe[torch.tensor([1], device=device)] += 1.0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def parse_faults(text: str) -> list[Fault]:

@@ -240,7 +240,7 @@ class Run:
                     break
                 if index % accumulation == 0:
                     self._slice = slices.popleft()
-                    self.faults.before_step(self.state.step + 1)
+                    self.faults.before_step(self.state.step + 1, self.accelerator.device)
                     self.slot.enter(self.state.step + 1)
                 if self.faults.poisoned(self.state.step + 1, self._slice, index % accumulation):
                     batch = poison(batch)

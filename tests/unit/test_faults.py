@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from elasticd.worker.faults import FaultInjector, InjectedFault, parse_faults
 
@@ -49,3 +50,12 @@ def test_a_heal_failure_raises_only_in_its_heal() -> None:
     faults.before_heal_piece(1)
     with pytest.raises(InjectedFault, match="fail@heal=2"):
         faults.before_heal_piece(2)
+
+
+def test_a_device_error_fires_on_its_rank_and_step_only_and_raises_the_devices_own_error() -> None:
+    injector = FaultInjector(parse_faults("device_error@step=8,rank=1"), rank=1)
+    cpu = torch.device("cpu")
+    injector.before_step(7, cpu)
+    injector.before_step(8)  # no device given (a caller that trains nowhere in particular): nothing to break
+    with pytest.raises(IndexError, match="out of bounds"):  # the CPU's error for CUDA's device-side assert
+        injector.before_step(8, cpu)
