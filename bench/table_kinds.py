@@ -14,6 +14,7 @@ from bench.tables import (
     step_overhead_table,
 )
 from bench.tables_control_plane import control_plane_table
+from bench.tables_gpu import gpu_check_table
 from bench.tables_hot import collective_design_table, heal_table, join_contention_table, recovery_memory_table
 
 KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -28,4 +29,5 @@ KINDS: dict[str, Callable[[dict[str, Any]], str]] = {
     "join_contention": join_contention_table,
     "shard_mirror": shard_mirror_table,
     "control_plane": control_plane_table,
+    "gpu_check": gpu_check_table,
 }
