@@ -15,6 +15,7 @@ import time
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -50,6 +51,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=32, help="units per hidden layer")
     p.add_argument("--depth", type=int, default=1, help="hidden layers (bench/recovery.py's large state: 7 of 4096)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="else accelerate's")
+    p.add_argument(
+        "--process-group-backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="else accelerate's (NCCL on GPUs): gloo keeps the model on the GPU and the group on gloo, as workers "
+        "sharing one GPU need (NCCL refuses two ranks of a group on one GPU)",
+    )
     p.add_argument("--checkpoint-dir", default="checkpoints/plain")
     p.add_argument("--checkpoint-every", type=int, default=50)
     return p.parse_args()
@@ -58,10 +66,12 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    backend = [InitProcessGroupKwargs(backend=args.process_group_backend)] if args.process_group_backend else []
     accelerator = Accelerator(
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.global_batch // (args.micro_batch * world),
         cpu=not torch.cuda.is_available(),  # without it, accelerate on a CPU host ignores WORLD_SIZE and runs alone
+        kwargs_handlers=backend,
     )
     torch.manual_seed(args.seed)
     dataset = Regression(args.dataset_size, args.seed)
@@ -73,6 +83,9 @@ def main() -> None:
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     if os.path.isdir(args.checkpoint_dir):
         accelerator.load_state(args.checkpoint_dir)
+    if accelerator.is_main_process:
+        started = {"event": "start", "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)}
+        print(json.dumps({**started, "world_size": accelerator.num_processes}), flush=True)
 
     step = 0
     for epoch in range(args.epochs):

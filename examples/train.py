@@ -88,7 +88,7 @@ def main() -> None:
     run.resume(model, optimizer, scheduler)  # load_state + data position; a no-op on a fresh run
     if accelerator.is_main_process:
         started = {"event": "start", "mixed_precision": accelerator.mixed_precision, "device": str(accelerator.device)}
-        print(json.dumps({**started, "step": run.state.step, "world_size": accelerator.num_processes}), flush=True)
+        print(json.dumps({**started, "world_size": accelerator.num_processes}), flush=True)
     record = open(args.record_ids, "a") if args.record_ids else None  # noqa: SIM115
 
     for batch in run.batches(loader, epochs=args.epochs):  # continues exactly where the run stopped

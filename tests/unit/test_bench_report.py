@@ -187,12 +187,53 @@ def test_every_kind_names_its_commit_on_its_first_line() -> None:
         "join_contention",
         "shard_mirror",
         "control_plane",
+        "gpu_check",
     }
     dirty = {**_hang_results(), "code": {"commit": "abc1234", "uncommitted_changes": True}}
     assert hang_table(dirty).splitlines()[0].startswith("Measured on commit abc1234 plus uncommitted changes")
     assert KINDS["heal"](_heal_results([0.5, 0.6, 0.4])).startswith("Measured on commit abc1234,")
     plane = {"code": CODE, "machine": MACHINE, "config": {"form_timeout": 60.0}, "designs": {}}
     assert KINDS["control_plane"](plane).startswith("Measured on commit abc1234,")
+    assert KINDS["gpu_check"](_gpu_check_results()).startswith("Measured on commit abc1234,")
+
+
+def _gpu_check_results() -> dict[str, Any]:
+    """bench/gpu_check.py's file: one GPU, a checkpoint that failed its verdict, the multi-GPU scenario not run."""
+    sync = {"blocking_s": [4.0, 5.0], "total_s": [4.0, 5.0], "median_step_s": 0.1}
+    run = {"blocking_s": [0.5, 3.0], "total_s": [6.0, 7.0], "median_step_s": 0.1}
+    resume = {
+        "world": [1, 2],
+        "committed_step_before_join": 6,
+        "resumed_steps": [6, 7],
+        "first_step": 8,
+        "seconds": 9.0,
+    }
+    return {
+        "code": CODE,
+        "machine": MACHINE,
+        "command": ["bench/gpu_check.sh"],
+        "device": "cuda",
+        "gpus": ["NVIDIA H200"],
+        "seconds": 300.0,
+        "records": [
+            {"scenario": "elastic_node_loss", "seconds": 0.2, "lost_steps": 0, "survivor_workers_restarted": False,
+             "problem": None},
+            {"scenario": "checkpoint_1024mb", "state_bytes": 2**30, "sync": sync, "async": run, "resume": resume,
+             "problem": "expected both workers to resume from one step, got [6, 7]"},
+            {"scenario": "nccl_multi", "not_run": "1 GPU: NCCL's multi-rank recovery needs 2+", "problem": None},
+        ],
+    }  # fmt: skip
+
+
+def test_the_gpu_check_table_gives_each_scenarios_verdict_and_what_it_measured() -> None:
+    table = KINDS["gpu_check"](_gpu_check_results())
+    assert "device cuda (NVIDIA H200), 300 s in all." in table.splitlines()[0]
+    assert (
+        "| elastic_node_loss | ok | kill -9 to the first step at 2 nodes: 0.200 s, steps redone 0, no survivor" in table
+    )
+    assert "| checkpoint_1024mb | FAILED: expected both workers to resume from one step, got [6, 7] |" in table
+    assert "1,024 MiB state: training blocked 0.500 s by the first asynchronous save (then 3.000 s), 4.500 s" in table
+    assert "| nccl_multi | ok | not run: 1 GPU: NCCL's multi-rank recovery needs 2+ |" in table
 
 
 def _heal_results(pairs: list[float]) -> dict[str, Any]:
