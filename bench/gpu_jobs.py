@@ -9,6 +9,7 @@ metrics port per node: the checkpoint scenario reads the save times from the dae
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import sys
 import urllib.request
@@ -44,6 +45,11 @@ class Target:
         # cpu: the same run on a GPU host must not touch the GPU (accelerate would take it); cuda: every worker is
         # local rank 0 of its node, so all of them train on cuda:0
         return {"CUDA_VISIBLE_DEVICES": ""} if self.device == "cpu" else {}
+
+    def python_path(self) -> str:
+        """The nodes' ``PYTHONPATH``: the code under test first, then the caller's (where a machine without a venv
+        keeps elasticd's dependencies: README's "On a GPU")."""
+        return os.pathsep.join(filter(None, [str(self.code), os.environ.get("PYTHONPATH", "")]))
 
     def script(self, name: str) -> Path:
         return self.code / "examples" / name
@@ -143,7 +149,7 @@ def job(
         etcd.start(ready_timeout_s=ETCD_READY_TIMEOUT_S)
         stack.callback(etcd.stop)
         run_id = f"gpu-check-{name}-{uuid.uuid4().hex[:6]}"
-        env = {"PYTHONPATH": str(target.code), **target.env(), **dict(workload.env)}
+        env = {"PYTHONPATH": target.python_path(), **target.env(), **dict(workload.env)}
         launcher = stack.enter_context(Launcher(trial_dir, tag=run_id, env=env))
         yield CheckJob(
             launcher, run_id, trial_dir / "checkpoints", target.script(script), etcd.endpoint, workload, **options

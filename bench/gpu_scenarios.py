@@ -317,7 +317,7 @@ def backend_cycles(target: Target, workdir: Path, backend: str, cycles: int = 5)
     """bench/gpu_backend_cycles.py in a process of its own: form -> all-reduce -> retire, ``cycles`` times, through
     elasticd's ``groups_named(backend)`` (NCCL: abort and a new communicator on the GPU)."""
     script = REPO / "bench" / "gpu_backend_cycles.py"
-    env = {**os.environ, **target.env(), "PYTHONPATH": str(target.code)}
+    env = {**os.environ, **target.env(), "PYTHONPATH": target.python_path()}
     cmd = [sys.executable, str(script), "--backend", backend, "--device", target.device, "--cycles", str(cycles)]
     started = time.monotonic()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT_S, check=False)
