@@ -91,23 +91,20 @@ def state_workload(state_mb: int, width: int, target: Target, asynchronous: bool
     return _with(workload, target, env={"ELASTICD_ASYNC_CHECKPOINTS": "1" if asynchronous else "0"})
 
 
-def _saves(j: CheckJob, count: int, timeout_s: float) -> tuple[list[float], list[float], int]:
+def _saves(j: CheckJob, count: int, timeout_s: float) -> tuple[list[float], list[float]]:
     """Per committed save, what training was blocked (s) and the time to its commit (s), from the daemons'
-    ``elasticd_checkpoint_duration_seconds`` histograms, read as each save lands; and the last committed step."""
+    ``elasticd_checkpoint_duration_seconds`` histograms, read as each save lands."""
     blocking: list[float] = []
     total: list[float] = []
     seen = {"count": 0.0, "blocking": 0.0, "total": 0.0}
-    last_step = 0
 
     def landed() -> bool | None:
-        nonlocal last_step
         now = {"count": 0.0, "blocking": 0.0, "total": 0.0}
         for node in j.launcher.live():
             m = j.metrics(node)
             now["count"] += m.get("elasticd_checkpoint_duration_seconds_count{phase=blocking}", 0.0)
             now["blocking"] += m.get("elasticd_checkpoint_duration_seconds_sum{phase=blocking}", 0.0)
             now["total"] += m.get("elasticd_checkpoint_duration_seconds_sum{phase=total}", 0.0)
-            last_step = max(last_step, int(m.get("elasticd_checkpoint_last_step", 0)))
         new = int(now["count"] - seen["count"])
         if new > 0:  # more than one between two reads: their mean, once each
             blocking.extend([(now["blocking"] - seen["blocking"]) / new] * new)
@@ -116,12 +113,14 @@ def _saves(j: CheckJob, count: int, timeout_s: float) -> tuple[list[float], list
         return len(blocking) >= count or None
 
     wait_until(landed, timeout_s, f"{count} committed saves", poll_s=0.1)
-    return blocking[:count], total[:count], last_step
+    return blocking[:count], total[:count]
 
 
-def _resume_at_two(j: CheckJob, committed: int, timeout_s: float) -> Record:
+def _resume_at_two(j: CheckJob, timeout_s: float) -> Record:
     """A second node joins: the cold path checkpoints the join's step and restarts both workers from the newest
-    commit at world size 2. The step they resumed from, their first step, and the seconds from the spawn to it."""
+    commit at world size 2. The newest commit before the join (the daemon's gauge), the step the workers resumed
+    from, their first step, and the seconds from the spawn to it."""
+    committed = max(int(j.metrics(n).get("elasticd_checkpoint_last_step", 0)) for n in j.launcher.live())
     joiner = j.start_node()
     first = j.wait_steps(1, timeout_s, "the first step at world size 2", world_size=2)[0]
     resumed = sorted(int(e["step"]) for e in j.events("resumed") if recovery._stamp(e) > joiner.started_at)
@@ -151,7 +150,7 @@ def checkpoint(target: Target, workdir: Path, state_mb: int, width: int) -> list
         ) as j:
             j.start_node()
             j.wait_steps(1, START_TIMEOUT_S * scale, "a step at world size 1", world_size=1)
-            blocking, total, committed = _saves(j, SAVES, STEP_TIMEOUT_S * scale * (SAVES + 1))
+            blocking, total = _saves(j, SAVES, STEP_TIMEOUT_S * scale * (SAVES + 1))
             steps = [r["t"] for r in j.step_lines() if r.get("world_size") == 1]
             gaps = [b - a for a, b in itertools.pairwise(steps)]
             figures[mode] = {
@@ -160,7 +159,7 @@ def checkpoint(target: Target, workdir: Path, state_mb: int, width: int) -> list
                 "median_step_s": round(statistics.median(gaps), 4) if gaps else None,
             }
             if asynchronous:
-                resume = _resume_at_two(j, committed, START_TIMEOUT_S * scale)
+                resume = _resume_at_two(j, START_TIMEOUT_S * scale)
     sync_blocking = statistics.median(figures["sync"]["blocking_s"])
     first_async = figures["async"]["blocking_s"][0]
     record = {
