@@ -103,4 +103,4 @@ def gpu_check_table(report: dict[str, Any]) -> str:
         [r["scenario"], "ok" if r.get("problem") is None else f"FAILED: {r['problem']}", _row(r)]
         for r in report["records"]
     ]
-    return "\n".join([head, "", *_table(["scenario", "verdict", "what it measured"], rows)])
+    return "\n".join([head, "", *_table(["scenario", "verdict", "what it measured"], rows), ""])
