@@ -20,8 +20,9 @@ with one GPU (``--device cuda``, the default), every scenario's workers share GP
   CUDA context unusable): the documented fallback, the worker exits and a fresh process takes its place.
 - ``backend_cycles``: ``--backend``'s group at world size 1 through elasticd's backend code (bench/gpu_backend_
   cycles.py; NCCL: init, all-reduce on the GPU, ``ncclCommAbort``, re-init), ``--cycles`` times.
-- ``nccl_multi`` (2+ GPUs; on the CPU only when asked for): NCCL node loss and join in place across GPUs
-  (bench/gpu_nccl_multi.py). On one GPU it is reported as not run.
+- ``nccl_multi`` (2+ GPUs): NCCL node loss, hang (a SIGSTOPped rank) and join in place across GPUs
+  (bench/gpu_nccl_multi.py). On one GPU it is reported as not run; on the CPU it runs the same on gloo, the hook
+  polling every bucket as it does on a GPU.
 
     bench/gpu_check.sh [--device cuda|cpu] [--backend nccl|gloo] [--scenarios ...] [--state-mb MB ...]
                        [--json OUT] [--logs DIR]
@@ -86,7 +87,8 @@ def one_line(record: dict[str, Any]) -> str:
     figures = {
         k: v
         for k, v in record.items()
-        if k not in ("scenario", "problem", "milestones", "daemon", "traceback", "samples") and v not in (None, "", [])
+        if k not in ("scenario", "problem", "milestones", "daemon", "traceback", "samples", "cycles")
+        and v not in (None, "", [])
     }
     shown = json.dumps(figures, default=str)
     verdict = "ok" if record.get("problem") is None else f"FAILED: {record['problem']}"
@@ -125,9 +127,26 @@ def nccl_multi(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
             {"scenario": "nccl_multi", "not_run": f"{gpus} GPU: NCCL's multi-rank recovery needs 2+", "problem": None}
         ]
     deadline = time.monotonic() + max(60.0, args.budget_s / 3)
-    record = gpu_nccl_multi.run(args.backend, workdir, trials=1, victim=0, poll=False, deadline=deadline)
-    problems = [s.get("problem") for samples in record["samples"].values() for s in samples if s.get("problem")]
-    return [{"scenario": "nccl_multi", **record, "problem": problems[0] if problems else None}]
+    # on the CPU the hook polls every bucket, as it does on a GPU (an NCCL future completes when it is enqueued)
+    poll = args.device == "cpu"
+    record = gpu_nccl_multi.run(args.backend, workdir, trials=1, victim=0, poll=poll, deadline=deadline)
+    samples = record["samples"]
+    problems = [s.get("problem") for found in samples.values() for s in found if s.get("problem")]
+    figures = {
+        f"{scenario}_{key}": round(found[0][key], 4)
+        for scenario, key in (("node_loss", "recovered_s"), ("hang", "recovered_s"), ("join", "members_stall_s"))
+        if (found := samples.get(scenario)) and key in found[0]
+    }
+    methods = sorted({m for found in samples.values() for s in found for m in s.get("method", [])})
+    return [
+        {
+            "scenario": "nccl_multi",
+            **figures,
+            "methods": methods,
+            **record,
+            "problem": problems[0] if problems else None,
+        }
+    ]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -144,8 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
     args.state_mb = args.state_mb or STATE_MB[args.device]
-    if args.scenarios is None:  # on the CPU the multi-GPU harness only when asked for
-        args.scenarios = [s for s in SCENARIOS if s != "nccl_multi" or args.device == "cuda"]
+    args.scenarios = args.scenarios or list(SCENARIOS)
     return args
 
 

@@ -14,6 +14,8 @@ reports which one ran. (The one-GPU scenarios of bench/gpu_check.py drive ``elas
 
 - ``node_loss``: ``n`` workers train; the one of rank ``victim`` gets SIGKILL. From the kill to every survivor's
   failed step (``detected_s``) and to the last survivor's first completed step at ``n - 1`` (``recovered_s``).
+- ``hang``: the same, the victim SIGSTOPped instead and declared dead at once: its peers wait inside a collective
+  that never completes, and the failure notice must release them (NCCL: ``ncclCommAbort`` under a running kernel).
 - ``join``: ``n - 1`` workers train; a warm joiner (imported and prepared) announces itself and is admitted at a
   step boundary. The members' stall (admitting boundary to their first step at ``n``), the joiner's announcement to
   its first step.
@@ -84,6 +86,7 @@ class Conductor:
         self.members: list[str] = []
         self.epoch = 0
         self.decisions: list[dict[str, Any]] = []
+        self.declared_dead: set[str] = set()  # stopped, not exited: what the daemons' verdict says of them
 
     def start(self, worker_id: str, slot: int, *args: str) -> None:
         env = {**os.environ, **worker_env(os.environ)}
@@ -114,6 +117,13 @@ class Conductor:
         os.killpg(self.procs[worker_id].pid, signal.SIGKILL)
         return killed_at
 
+    def stop(self, worker_id: str) -> float:
+        """SIGSTOP: a hung rank sends nothing and its peers' collectives just wait; the daemons convict it."""
+        stopped_at = time.monotonic()
+        os.killpg(self.procs[worker_id].pid, signal.SIGSTOP)
+        self.declared_dead.add(worker_id)
+        return stopped_at
+
     def serve(self, until: Callable[[], bool] = lambda: False) -> None:
         deadline = time.monotonic() + SCENARIO_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -121,7 +131,7 @@ class Conductor:
                 return
             self._admissions()
             self._failures()
-            if all(p.poll() is not None for p in self.procs.values()):
+            if all(p.poll() is not None or w in self.declared_dead for w, p in self.procs.items()):
                 return
             if any(p.poll() not in (None, 0, -signal.SIGKILL) for p in self.procs.values()):
                 raise RuntimeError(f"a worker failed: {self.exit_codes()}\n{self.logs()}")
@@ -136,7 +146,7 @@ class Conductor:
             self.epoch += 1
 
     def _failures(self) -> None:
-        alive = {m for m in self.members if self.procs[m].poll() is None}
+        alive = {m for m in self.members if self.procs[m].poll() is None and m not in self.declared_dead}
         dead = [m for m in self.members if m not in alive]
         notice = f"hot/e{self.epoch}/notice"
         if dead and not self.store.check([notice]):
@@ -223,15 +233,20 @@ def median_step_ms(result: dict[str, Any], world: int) -> float | None:
     return statistics.median(gaps) * 1000 if gaps else None
 
 
-def node_loss(out: Path, backend: str, n: int, victim: int, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+def node_loss(
+    out: Path, backend: str, n: int, victim: int, extra: tuple[str, ...] = (), hang: bool = False
+) -> dict[str, Any]:
+    """``hang``: the victim is SIGSTOPped instead (its peers wait inside a collective: the communicator must be
+    aborted under them) and declared dead at once, as the daemons' watchdog would after its timeout."""
     ids = [f"w{i}" for i in range(n)]
     with conducted(out, backend, extra) as c:
         c.start_group(ids, "--steps", "8", "--after", "15", "--expect-changes", "1", "--step-sleep-ms", STEP_SLEEP_MS)
         c.serve(until=lambda: all(c.progress(w) >= STEADY_STEPS for w in ids))
-        killed_at = c.kill(ids[victim])
+        killed_at = c.stop(ids[victim]) if hang else c.kill(ids[victim])
         c.serve()
         survivors = [w for w in ids if w != ids[victim]]
-        expected = {w: (-signal.SIGKILL if w == ids[victim] else 0) for w in ids}
+        gone = None if hang else -signal.SIGKILL  # a stopped victim is killed on the way out
+        expected = {w: (gone if w == ids[victim] else 0) for w in ids}
         if c.exit_codes() != expected:
             raise RuntimeError(f"exit codes {c.exit_codes()}, expected {expected}\n{c.logs()}")
         results = {w: c.result(w) for w in survivors}
@@ -298,7 +313,7 @@ def verdict(scenario: str, sample: dict[str, Any]) -> str | None:
         return "a committed step was lost or repeated"
     if sample["weights_spread"] > 1e-5:
         return f"the workers' weights differ by {sample['weights_spread']:.2e}"
-    if scenario == "node_loss" and sample["lost_steps"]:
+    if scenario in ("node_loss", "hang") and sample["lost_steps"]:
         return f"{sample['lost_steps']} committed steps lost"
     if scenario == "join" and sample["joiner_first_step"] != sample["joiner_healed_to_step"] + 1:
         return "the joiner did not continue from the members' step count"
@@ -308,6 +323,7 @@ def verdict(scenario: str, sample: dict[str, Any]) -> str | None:
 def summary(samples: dict[str, list[dict[str, Any]]]) -> str:
     figures = {
         "node_loss": ["detected_s", "recovered_s", "reform_s", "heal_s", "step_ms_before", "step_ms_after"],
+        "hang": ["detected_s", "recovered_s", "reform_s", "heal_s", "step_ms_after"],
         "join": ["members_stall_s", "joiner_announced_to_first_step_s", "reform_s", "heal_s", "step_ms_after"],
     }
     rows = []
@@ -332,7 +348,7 @@ def run(backend: str, logs: Path, *, trials: int, victim: int, poll: bool, deadl
     if not 0 <= victim < n:
         raise CannotRun(f"--victim {victim} is not a rank of {n} workers")
     extra = ("--poll",) if poll else ()
-    samples: dict[str, list[dict[str, Any]]] = {"node_loss": [], "join": []}
+    samples: dict[str, list[dict[str, Any]]] = {"node_loss": [], "hang": [], "join": []}
     for trial in range(trials):
         for scenario in samples:
             if time.monotonic() > deadline - TRIAL_MIN_S:
@@ -340,11 +356,10 @@ def run(backend: str, logs: Path, *, trials: int, victim: int, poll: bool, deadl
                 continue
             out = logs / f"{scenario}-{trial + 1}"
             try:
-                sample = (
-                    node_loss(out, backend, n, victim, extra)
-                    if scenario == "node_loss"
-                    else join(out, backend, n, extra)
-                )
+                if scenario == "join":
+                    sample = join(out, backend, n, extra)
+                else:
+                    sample = node_loss(out, backend, n, victim, extra, hang=scenario == "hang")
                 problem = verdict(scenario, sample)
             except RuntimeError as exc:
                 sample, problem = {"error": str(exc)}, str(exc).splitlines()[0]

@@ -70,8 +70,12 @@ def _cycles(r: dict[str, Any]) -> str:
 def _nccl_multi(r: dict[str, Any]) -> str:
     if "not_run" in r:
         return f"not run: {r['not_run']}"
-    loss = [s for s in r.get("samples", {}).get("node_loss", []) if "recovered_s" in s]
-    return f"{r.get('workers')} GPUs: kill -9 to the first step {_s(loss[0]['recovered_s'] if loss else None)}"
+    return (
+        f"{r.get('workers')} workers, one per GPU, re-formed by {', '.join(r.get('methods') or ['-'])}: kill -9 of "
+        f"rank 0 to the first step at {r['workers'] - 1}: {_s(r.get('node_loss_recovered_s'))}, SIGSTOP (declared "
+        f"dead at once) {_s(r.get('hang_recovered_s'))}; a warm join stalled the members "
+        f"{_s(r.get('join_members_stall_s'))}"
+    )
 
 
 def _row(record: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ SCENARIOS = {
     "elastic_join",
     "elastic_node_loss",
     "checkpoint_16mb",
+    "nccl_multi",
 }
 # events only the worker library logs (elasticd.attach and the hot path it arms), never the daemon
 WORKER_LIBRARY_EVENTS = {"hot_recovery_armed", "hot_recovery_off", "resumed"}
