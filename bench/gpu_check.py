@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import functools
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -67,7 +68,10 @@ SCENARIOS = ("backend_cycles", "bf16_nan", "device_error", "elastic", "checkpoin
 # the MLP's width per device: 4096 units make 8 GB of state in ~43 layers on a GPU; 512 keep the CPU's small
 WIDTH = {"cuda": 4096, "cpu": 512}
 STATE_MB = {"cuda": [1024, 8192], "cpu": [16]}
-BUDGET_S = 330.0  # under 6 minutes in all: bench/gpu_check.sh's timeout is 6 minutes
+BUDGET_S = 300.0  # no scenario starts later than this (s)
+# The check stops itself here (s), a scenario in flight given up with what it saw, so that the raw file is written
+# and every node is gone before bench/gpu_check.sh's own limit (6 minutes).
+STOP_S = 340
 
 
 def cannot_run(device: str, backend: str) -> str | None:
@@ -158,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=None, help="checkpoint: the MLP's units per layer")
     p.add_argument("--cycles", type=int, default=5, help="backend_cycles: form -> all-reduce -> retire cycles")
     p.add_argument("--budget-s", type=float, default=BUDGET_S, help="start no scenario past this (s)")
+    p.add_argument("--stop-s", type=int, default=STOP_S, help="give the running scenario up here (s)")
     p.add_argument("--json", type=Path, help="raw results (default: bench/results/gpu_check-<device>-<backend>-...)")
     p.add_argument("--logs", type=Path, help="keep every node's logs here (default: a temporary dir)")
     args = p.parse_args(argv)
@@ -173,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {why}", file=sys.stderr)
         return 2
     interrupt_on_sigterm()  # the shell script's timeout: every node is killed on the way out
+    signal.signal(signal.SIGALRM, _out_of_time)
+    signal.alarm(args.stop_s)
     recovery._quiet_timeout_s = 2.0  # a short wait for others' CPU before each measurement, as a budget allows
     started = time.monotonic()
     revision = code_revision()
@@ -184,12 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         logs.mkdir(parents=True, exist_ok=True)
         target = Target(args.device, args.backend, snapshot_code(logs / "code"))
         for name in args.scenarios:
-            if time.monotonic() - started > args.budget_s:
+            if time.monotonic() - started > min(args.budget_s, args.stop_s):
                 new = [{"scenario": name, "problem": f"not run: past the {args.budget_s:g} s budget"}]
             else:
-                new = _guarded(name, functools.partial(run_scenario, name, args, target, logs, started))
+                try:
+                    new = _guarded(name, functools.partial(run_scenario, name, args, target, logs, started))
+                except OutOfTime:
+                    new = [{"scenario": name, "problem": f"given up at {args.stop_s} s, the check's limit"}]
             print("\n".join(one_line(r) for r in new), flush=True)
             records += new
+        signal.alarm(0)
     failed = [r["scenario"] for r in records if r.get("problem") is not None]
     took = time.monotonic() - started
     print(f"gpu_check: {len(records) - len(failed)} ok, {len(failed)} failed {failed} in {took:.0f} s")
@@ -206,6 +217,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_results(path, {**header, "records": records})
     return 1 if failed else 0
+
+
+class OutOfTime(Exception):
+    """The check's own time limit (``--stop-s``) came."""
+
+
+def _out_of_time(_signum: int, _frame: object) -> None:
+    raise OutOfTime
 
 
 def _guarded(name: str, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:

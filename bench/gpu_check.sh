@@ -34,5 +34,6 @@ if [ "$install" = 1 ]; then
   fi
 fi
 [ -x "$venv/bin/python" ] || { echo "gpu_check: no virtual environment at $venv (run with --install, or scripts/setup-venv test)" >&2; exit 2; }
-# The driver starts no scenario past its 330 s budget; this is the backstop (it kills every node on TERM).
-exec timeout --kill-after=15 360 "$venv/bin/python" bench/gpu_check.py ${args[@]+"${args[@]}"}
+# The driver starts no scenario past 300 s and gives the running one up at 340 s (its raw file is written either way);
+# this is the backstop (it kills every node on TERM).
+exec timeout --kill-after=10 350 "$venv/bin/python" bench/gpu_check.py ${args[@]+"${args[@]}"}
