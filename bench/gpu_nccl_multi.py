@@ -370,4 +370,4 @@ def run(backend: str, logs: Path, *, trials: int, victim: int, poll: bool, deadl
             shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in sample.items() if k != "error"}
             print(f"    {scenario} trial {trial + 1}: {'FAILED: ' + problem if problem else 'ok'} {shown}")
     print(summary(samples))
-    return {"workers": n, "poll": poll, "samples": samples}
+    return {"backend": backend, "workers": n, "poll": poll, "samples": samples}

@@ -71,7 +71,9 @@ def _nccl_multi(r: dict[str, Any]) -> str:
     if "not_run" in r:
         return f"not run: {r['not_run']}"
     return (
-        f"{r.get('workers')} workers, one per GPU, re-formed by {', '.join(r.get('methods') or ['-'])}: kill -9 of "
+        f"{r.get('workers')} workers on {r.get('backend')}{' (one per GPU)' if r.get('backend') == 'nccl' else ''}"
+        f"{', the hook polling every bucket' if r.get('poll') else ''}, re-formed by "
+        f"{', '.join(r.get('methods') or ['-'])}: kill -9 of "
         f"rank 0 to the first step at {r['workers'] - 1}: {_s(r.get('node_loss_recovered_s'))}, SIGSTOP (declared "
         f"dead at once) {_s(r.get('hang_recovered_s'))}; a warm join stalled the members "
         f"{_s(r.get('join_members_stall_s'))}"
