@@ -15,7 +15,7 @@ from enum import StrEnum
 
 from elasticd.etcd.client import EtcdClient
 from elasticd.keys import RunKeys
-from elasticd.liveness_probe import Probe, probe
+from elasticd.liveness_probe import Probe, greet
 from elasticd.membership import Epoch
 
 
@@ -53,13 +53,17 @@ class Reach(StrEnum):
     ALIVE = "alive"  # a worker of its current epoch accepted a connection
     GONE = "gone"  # it does not train in place any more (the token moved on, its workers refuse)
     OUT_OF_REACH = "out_of_reach"  # etcd says it trains (a member's node is alive), but no member answers from here
+    # no member greets: one's process exists but says nothing (stopped, wedged, or starved of CPU for a moment); a
+    # silent group admits nobody, so a joiner gives up on it once the silence lasts (worker/hot_path.py)
+    SILENT = "silent"
 
 
 def group_reach(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> Reach:
     """Does ``group`` (of ``round_``) still train in place, and can this node reach it? Its round holds the run's
-    fencing token, and a worker of its current epoch accepts a connection on its liveness port (a worker that exited
-    refuses at once); no answer at all from members whose node's liveness lease holds is a partition between here and
-    them, not their end."""
+    fencing token, and a worker of its current epoch greets by its name on its liveness port (a worker that exited
+    refuses at once, and so does another process that took its port since); no answer at all from members whose
+    node's liveness lease holds is a partition between here and them, not their end; a connection accepted but never
+    greeted is a member that is stopped or wedged (SILENT, when no member greets)."""
     token = client.get(keys.lineage_token)
     if token is None or _round_of(token[0]) != str(round_):
         return Reach.GONE  # the run restarted cold since (or etcd lost its data)
@@ -71,24 +75,27 @@ def group_reach(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> R
     else:
         members = [name for name in records if name.startswith(f"{group}.")]
     unreachable_nodes: set[str] = set()
+    silent = False
     for member in members:
         raw = records.get(member)
         if raw is None:
             continue
         record = json.loads(raw)
-        answer = probe(str(record["addr"]))
+        answer = greet(str(record["addr"]), name=member)
         if answer is Probe.ACCEPTED:
             return Reach.ALIVE
         if answer is Probe.UNREACHABLE:
             unreachable_nodes.add(str(record.get("node")))
+        silent = silent or answer is Probe.SILENT
     if any(client.get(keys.membership_alive(node)) is not None for node in sorted(unreachable_nodes)):
         return Reach.OUT_OF_REACH
-    return Reach.GONE
+    return Reach.SILENT if silent else Reach.GONE
 
 
 def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:
-    """Does ``group`` (of ``round_``) still train in place, reachable from here (:func:`group_reach`)?"""
-    return group_reach(client, keys, group, round_) is Reach.ALIVE
+    """Does ``group`` (of ``round_``) still train in place, reachable from here (:func:`group_reach`)? A silent one
+    is given the benefit of the doubt here: its joiner gives up on it if the silence lasts."""
+    return group_reach(client, keys, group, round_) in (Reach.ALIVE, Reach.SILENT)
 
 
 def _round_of(token: bytes) -> str:

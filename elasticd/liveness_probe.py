@@ -12,10 +12,12 @@ After a failure, the survivors probe every member that has not bid for the next 
 So a member counts as dead when its port refuses or its node's lease is gone, and never on a timer shorter than a
 step (``../shared/HOT-RECOVERY.md``: a short grace once excluded a live survivor whose steps took seconds).
 
-A listener also **greets** every connection with one byte before it closes it, from a thread of its own that does
-nothing else (:func:`greet`): a connection the kernel accepted that brings no greeting within the timeout is
-**silent**: the process is stopped (SIGSTOP, a frozen VM) or wedged. That is a verdict on the process, not on its
-steps, and not on the network (a partition makes the connection time out: unreachable). The hot path's silence
+A listener also **greets** every connection with one byte and its name (a member's, empty for a daemon) before it
+closes it, from a thread of its own that does nothing else (:func:`greet`): a connection the kernel accepted that
+brings no greeting within the timeout is **silent**: the process is stopped (SIGSTOP, a frozen VM) or wedged. That
+is a verdict on the process, not on its steps, and not on the network (a partition makes the connection time out:
+unreachable). Greeted under another name, the port was freed and taken again by another process: the one asked for
+is gone (refused). The hot path's silence
 watch greets the next node's daemon (``worker/hot/silence.py``), so that a stopped node is known dead before its
 lease expires (2 s at etcd's default timing), and a killed one before its workers' sockets close.
 
@@ -35,8 +37,9 @@ from enum import StrEnum
 # How long one probe waits for a connection: on a LAN an accept takes well under a millisecond; past this the host
 # is treated as unreachable and the lease decides.
 PROBE_TIMEOUT_S = 0.2
-# What a listener sends every connection before it closes it (greet()).
+# What a listener sends every connection before it closes it (greet()), then its name.
 GREETING = b"\x01"
+_GREETING_MAX = 512  # longer than any name: a member's is its fencing token and a rank
 
 
 class Probe(StrEnum):
@@ -49,7 +52,8 @@ class Probe(StrEnum):
 class ProbeListener:
     """A listening socket in the worker: connections are accepted and closed by a daemon thread."""
 
-    def __init__(self, host: str) -> None:
+    def __init__(self, host: str, name: str = "") -> None:
+        self._greeting = GREETING + name.encode()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind((host, 0))
         self._sock.listen(64)
@@ -65,7 +69,7 @@ class ProbeListener:
             except OSError:
                 return  # closed
             with contextlib.suppress(OSError):  # a plain probe() may have gone already
-                conn.sendall(GREETING)
+                conn.sendall(self._greeting)
             conn.close()
 
     def close(self) -> None:
@@ -80,18 +84,32 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
     return _connect(address, timeout_s, lambda _conn: Probe.ACCEPTED)
 
 
-def greet(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
+def greet(address: str, timeout_s: float = PROBE_TIMEOUT_S, name: str | None = None) -> Probe:
     """Connect to ``host:port`` and wait up to ``timeout_s`` for the listener's greeting: ACCEPTED (greeted),
-    SILENT (connected, never greeted), REFUSED or UNREACHABLE (as :func:`probe`)."""
+    SILENT (connected, never greeted), REFUSED or UNREACHABLE (as :func:`probe`). With ``name``, a greeting under
+    another name is REFUSED: another process listens on the port now (seen once in the suite, after a worker's end)."""
 
     def greeted(conn: socket.socket) -> Probe:
         try:
-            conn.recv(1)  # the greeting, or b"": closed without one (alive enough to close it)
+            greeting = _greeting(conn)
         except TimeoutError:
             return Probe.SILENT
-        return Probe.ACCEPTED
+        if name is not None and greeting and greeting != GREETING + name.encode():
+            return Probe.REFUSED
+        return Probe.ACCEPTED  # greeted, or closed without a greeting: alive enough to close it
 
     return _connect(address, timeout_s, greeted)
+
+
+def _greeting(conn: socket.socket) -> bytes:
+    """What the listener sent before it closed the connection (at most ``_GREETING_MAX`` bytes)."""
+    received = b""
+    while len(received) < _GREETING_MAX:
+        part = conn.recv(_GREETING_MAX)
+        if not part:
+            break
+        received += part
+    return received
 
 
 def _connect(address: str, timeout_s: float, then: Callable[[socket.socket], Probe]) -> Probe:

@@ -68,7 +68,7 @@ def group_to_join(
         while reach is Reach.OUT_OF_REACH and wait is not None:
             wait(group)
             reach = group_reach(client, keys, group.name, group.round)
-        if reach is not Reach.ALIVE:
+        if reach not in (Reach.ALIVE, Reach.SILENT):  # silent: joined, and its workers give up if the silence lasts
             return None
     except EtcdError:
         return None

@@ -16,6 +16,7 @@ boundary they agree on (:meth:`HotPath.admit`, from the checkpoint agreement of 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from elasticd.board import Phase
@@ -105,6 +106,8 @@ class RunPort(Protocol):
 # Seconds a joining worker asks again about a group that is out of its reach before it gives up on joining in place.
 JOIN_REACH_WAIT_S = 15.0
 _REACH_POLL_S = 0.5
+# Seconds a joining worker waits on a group none of whose members greets before it gives up on joining in place.
+JOIN_SILENCE_S = 10.0
 # etcd electing a leader (the leader lost or cut off, quorum regained) answers "leader changed"/"no leader" for a
 # second or two with etcd's defaults: the hot path's calls ride that out for this long before they give up (the
 # cold path); each call waits at most ETCD_REQUEST_TIMEOUT_S on one member before trying another.
@@ -195,12 +198,14 @@ class HotPath:
         run.log.info("join_requested", member=self.session.identity.member, round=round_)
 
         group = self.session.identity.group
+        # out of reach for a moment (a link that just came back) is no reason to give up: gone is, and so is a
+        # silence that lasts
+        watch = JoinWatch(lambda: group_reach(client, keys, group, round_))
 
         def still_wanted() -> bool:
             if _run_finished(client, keys, round_):
                 raise JoinerNotNeeded("the run finished while this node waited to join")
-            # out of reach for a moment (a link that just came back) is no reason to give up: gone is
-            return group_reach(client, keys, group, round_) is not Reach.GONE
+            return watch()
 
         try:
             recovered = self.session.join(run.state, run.plan_for, still_wanted)
@@ -354,6 +359,32 @@ def _run_finished(client: EtcdClient, keys: RunKeys, round_: int) -> bool:
     return any(r.get("round") == round_ and r.get("state") == "finished" for r in read_nodes(client, keys))
 
 
+class JoinWatch:
+    """Is the group a joiner waits for still there to admit it (``HotSession.join``'s ``still_wanted``)? Not once it
+    is gone, nor once none of its members has greeted for ``grace_s``: a group whose every member is stopped or
+    wedged admits nobody (seen in the suite: two nodes each waiting to join a group whose last members were a
+    convicted, stopped worker and one that had fallen back, until the test's timeout). A member starved of CPU for a
+    moment greets again well within the grace."""
+
+    def __init__(
+        self, reach: Callable[[], Reach], clock: Callable[[], float] = time.monotonic, grace_s: float = JOIN_SILENCE_S
+    ) -> None:
+        self._reach = reach
+        self._clock = clock
+        self._grace_s = grace_s
+        self._silent_since: float | None = None
+
+    def __call__(self) -> bool:
+        reach = self._reach()
+        if reach is not Reach.SILENT:
+            self._silent_since = None
+            return reach is not Reach.GONE
+        now = self._clock()
+        if self._silent_since is None:
+            self._silent_since = now
+        return now - self._silent_since < self._grace_s
+
+
 def _group_to_join(
     client: EtcdClient, keys: RunKeys, round_: int, reach_wait_s: float = JOIN_REACH_WAIT_S
 ) -> tuple[str | None, str]:
@@ -366,7 +397,7 @@ def _group_to_join(
         if group is None or group.round != round_:
             return None, "no group record" if group is None else f"the group record is round {group.round}'s"
         reach = group_reach(client, keys, group.name, round_)
-        if reach is Reach.ALIVE:
+        if reach in (Reach.ALIVE, Reach.SILENT):  # silent: the join's watch gives up if the silence lasts
             return group.name, reach.value
         if reach is Reach.GONE or time.monotonic() >= deadline:
             return None, reach.value

@@ -432,3 +432,15 @@ def test_a_lapsed_lease_put_back_within_the_grace_fails_nothing(etcd_client: Etc
         daemon.close()
         for key in ("lapse-me2", "lapse-back"):
             etcd_client.delete(KEYS.membership_alive(key))
+
+
+def test_a_greeting_names_its_listener_and_another_name_on_the_port_is_refused() -> None:
+    """A member's port freed and taken again by another listener: greeted under another name, it is gone."""
+    listener = ProbeListener("127.0.0.1", "3.0123456789abcdef.0")
+    try:
+        address = f"127.0.0.1:{listener.port}"
+        assert greet(address, name="3.0123456789abcdef.0") is Probe.ACCEPTED
+        assert greet(address, name="3.0123456789abcdef.1") is Probe.REFUSED
+        assert greet(address) is Probe.ACCEPTED  # a greeter that asks for nobody in particular (the silence watch)
+    finally:
+        listener.close()

@@ -212,7 +212,8 @@ class HotSession:
         elif isinstance(self.hook, ResilientShardComms):  # FSDP sets sharded gradients itself: its collectives,
             self.cutoff.wrap(self.accelerator, after_cut=self.model.reset_iter_state)  # not grad hooks, cut a backward
             self.hook.after_failed = self.cutoff.cut
-        self.listener = ProbeListener(listen_address(advertise))  # where peers dial it, not every interface
+        # where peers dial it, not every interface; it greets by this member's name (a port taken again is told apart)
+        self.listener = ProbeListener(listen_address(advertise), self.identity.member)
         record = {"node": self.identity.node_id, "addr": f"{advertise}:{self.listener.port}"}
         self.client.put(self.keys.membership_member(self.identity.member), json.dumps(record))
         if joining:
