@@ -18,6 +18,17 @@ def poison(batch: Any) -> Any:
     return batch
 
 
+def has_floating(batch: Any) -> bool:
+    """Does ``batch`` hold a floating tensor (what :func:`poison` can make NaN)? Token ids alone do not."""
+    if isinstance(batch, torch.Tensor):
+        return batch.is_floating_point()
+    if isinstance(batch, dict):
+        return any(has_floating(v) for v in batch.values())
+    if isinstance(batch, list | tuple):
+        return any(has_floating(v) for v in batch)
+    return False
+
+
 def to_device(batch: Any, device: Any) -> Any:
     """Every tensor of the batch (nested in dicts, lists and tuples) moved to ``device``, without blocking."""
     if isinstance(batch, torch.Tensor):

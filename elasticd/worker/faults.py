@@ -77,6 +77,7 @@ class FaultInjector:
         self.faults = faults
         # checked for every micro-batch, so a run without them pays one truth test
         self.poisons_samples = any(f.kind == "nan" and f.samples for f in faults)
+        self.told_unpoisonable = False  # a NaN fault met a batch it cannot poison, and the worker said so
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:

@@ -40,7 +40,7 @@ from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.privates.check import check_worker
 from elasticd.privates.surface import Fallback
 from elasticd.worker import hybrid, resume_point
-from elasticd.worker.batch_tensors import poison, to_device
+from elasticd.worker.batch_tensors import has_floating, poison, to_device
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
@@ -243,7 +243,7 @@ class Run:
                     self.faults.before_step(self.state.step + 1, self.accelerator.device)
                     self.slot.enter(self.state.step + 1)
                 if self.faults.poisoned(self.state.step + 1, self._slice, index % accumulation):
-                    batch = poison(batch)
+                    batch = poison(_said_if_unpoisonable(self, batch))
                 batch = to_device(batch, self.accelerator.device)
                 self.own_time.add(time.perf_counter() - started)
                 index += 1
@@ -463,6 +463,16 @@ def _greet_daemon(run: Run) -> None:
     ]
     run.beats.send(Kind.HELLO, capabilities=capabilities, pid=os.getpid())
     run.beats.send(Kind.RESUMED, step=run.state.step)
+
+
+def _said_if_unpoisonable(run: Run, batch: Any) -> Any:
+    """``batch``; a NaN fault on one without floating tensors (token ids alone) changes nothing: said once."""
+    if run.faults.told_unpoisonable or has_floating(batch):
+        return batch
+    run.faults.told_unpoisonable = True
+    reason = "the batch holds no floating-point tensor to make NaN (token ids?): the fault changes nothing"
+    run.log.warning("fault_not_applied", fault="nan", step=run.state.step + 1, reason=reason)
+    return batch
 
 
 def _log_skipped(run: Run, step_slice: StepSlice) -> None:

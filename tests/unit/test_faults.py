@@ -8,6 +8,7 @@ import signal
 import pytest
 import torch
 
+from elasticd.worker.batch_tensors import has_floating, poison
 from elasticd.worker.faults import FaultInjector, InjectedFault, parse_faults
 
 
@@ -59,3 +60,11 @@ def test_a_device_error_fires_on_its_rank_and_step_only_and_raises_the_devices_o
     injector.before_step(8)  # no device given (a caller that trains nowhere in particular): nothing to break
     with pytest.raises(IndexError, match="out of bounds"):  # the CPU's error for CUDA's device-side assert
         injector.before_step(8, cpu)
+
+
+def test_only_a_batch_with_a_floating_tensor_can_be_poisoned() -> None:
+    ids = {"input_ids": torch.tensor([[1, 2]]), "labels": torch.tensor([0])}  # a transformers batch: nothing to NaN
+    assert not has_floating(ids)
+    assert poison(ids)["input_ids"].tolist() == [[1, 2]]
+    assert has_floating({"x": torch.zeros(1), "id": torch.tensor(3)})
+    assert has_floating([torch.tensor([1]), (torch.zeros(2),)])
