@@ -341,17 +341,25 @@ def test_a_run_through_kill_join_and_a_lagging_member_ends_as_an_undisturbed_one
     # w2 did not commit step 32; each other member either committed it or, released by w2's notice before its own
     # all-reduce completed, gave it up too: the heal source is one with the most steps either way
     assert lagged["w2"] == 31 and set(lagged.values()) <= {31, 32}
-    missed = {w for w, n in lagged.items() if n < max(lagged.values())}  # those that took step 32 from the heal
+    # the same at the kill, under load: a member released by the failure notice while still in step 11 (the others
+    # had committed it) gives it up and takes it from the heal (seen once in CI: w0 without step 11, healed to it)
+    killed = conductor.decisions[0]["announced"]
+    assert set(killed.values()) <= {10, 11}, killed
+    healed: dict[str, set[int]] = {}  # per member, the steps it took from a heal instead of committing them
+    for decision in conductor.decisions:
+        most = max(decision["announced"].values())
+        for member, step in decision["announced"].items():
+            healed.setdefault(member, set()).update(range(step + 1, most + 1))
 
     ref_steps = {s["step"]: s for s in reference.result("r0")["steps"]}
     assert sorted(ref_steps) == list(range(1, STEPS + 1)) and {s["world"] for s in ref_steps.values()} == {3}
     for w in survivors:
         result = conductor.result(w)
         steps = [s["step"] for s in result["steps"]]
-        # every step once (one that got step 32 from the heal did not commit it itself), at the same data position
+        # every step once (one that got a step from the heal did not commit it itself), at the same data position
         # and learning rate as the undisturbed run
         first = 1 if w != "j" else steps[0]
-        assert steps == [n for n in range(first, STEPS + 1) if not (w in missed and n == 32)], w
+        assert steps == [n for n in range(first, STEPS + 1) if n not in healed.get(w, set())], (w, healed)
         for s in result["steps"]:
             assert s["position"] == ref_steps[s["step"]]["position"] and s["lr"] == ref_steps[s["step"]]["lr"], (w, s)
         assert_accelerate_follows(result)
