@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         logs = args.logs or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu_check-")))
         logs.mkdir(parents=True, exist_ok=True)
-        target = Target(args.device, args.backend, snapshot_code(logs / "code"))
+        target = Target(args.device, snapshot_code(logs / "code"))
         for name in args.scenarios:
             if time.monotonic() - started > min(args.budget_s, args.stop_s):
                 new = [{"scenario": name, "problem": f"not run: past the {args.budget_s:g} s budget"}]

@@ -23,7 +23,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import Launcher, Node, free_port, wait_until
-from bench.recovery import ElasticdJob
+from bench.recovery import ElasticdJob, step_lines
 from bench.workloads import Workload
 from elasticd.etcd.server import EmbeddedEtcd
 
@@ -34,11 +34,10 @@ MAX_RESTARTS = 3  # a scenario that needs more has gone wrong
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """Where the scenarios run: ``device`` the workers' (cuda: all on GPU 0; cpu: CUDA hidden from them), ``backend``
-    the training group's, ``code`` the :func:`~bench.common.snapshot_code` copy every node imports elasticd from."""
+    """Where the scenarios run: ``device`` the workers' (cuda: all on GPU 0; cpu: CUDA hidden from them), ``code``
+    the :func:`~bench.common.snapshot_code` copy every node imports elasticd from."""
 
     device: str
-    backend: str
     code: Path
 
     def env(self) -> dict[str, str]:
@@ -112,13 +111,7 @@ class CheckJob(ElasticdJob):
     def step_lines(self, after: float = 0.0) -> list[dict[str, Any]]:
         """Every node's workers' step lines with ``t`` after ``after`` (unix s), in time order."""
         self.launcher.refresh()
-        lines = [
-            r
-            for n in self.launcher.nodes.values()
-            for r in n.out_records
-            if r.get("event") == "step" and r["t"] > after
-        ]
-        return sorted(lines, key=lambda r: r["t"])
+        return step_lines(self, after)
 
     def events(self, name: str) -> list[dict[str, Any]]:
         """The JSON events called ``name`` on every node's stderr (its daemon's and its workers')."""

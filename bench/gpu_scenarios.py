@@ -37,12 +37,10 @@ FAULT_STEP = 12  # the device error's step: after the step-10 commit of its job 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _with(workload: Workload, target: Target, *args: str, env: dict[str, str] | None = None) -> Workload:
+def _with(workload: Workload, target: Target, env: dict[str, str] | None = None) -> Workload:
     """``workload`` on ``target``: its group on gloo (the one GPU is shared: NCCL refuses two ranks on one GPU)."""
     extra_env = tuple({**target.env(), **(env or {})}.items())
-    return replace(
-        workload, script_args=(*workload.script_args, "--process-group-backend", "gloo", *args), env=extra_env
-    )
+    return replace(workload, script_args=(*workload.script_args, "--process-group-backend", "gloo"), env=extra_env)
 
 
 # -- node loss and join in place ---------------------------------------------------------------------------------
@@ -265,9 +263,7 @@ def device_error(target: Target, workdir: Path) -> list[Record]:
     it, and its daemon starts a new worker process (a fresh CUDA context) that joins in place. What happened, and the
     seconds from the fault (the end of the step before it) to the survivors' next step and to the whole group's."""
     fault = f"device_error@step={FAULT_STEP},rank=1,round=0"
-    workload = _with(
-        replace(SMALL, script_args=("--sleep", "0.05", "--epochs", "1000")), target, env={"ELASTICD_FAULT": fault}
-    )
+    workload = _with(SMALL, target, env={"ELASTICD_FAULT": fault})
     with job(workdir, "device-error", target, workload, nodes=(1, 2), checkpoint_every=5) as j:
         j.start_nodes(2)
         before = j.wait_steps(

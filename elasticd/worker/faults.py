@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from elasticd import envvars
+from elasticd.worker.batch_tensors import has_floating
 from elasticd.worker.sampler import StepSlice
 
 
@@ -77,7 +78,7 @@ class FaultInjector:
         self.faults = faults
         # checked for every micro-batch, so a run without them pays one truth test
         self.poisons_samples = any(f.kind == "nan" and f.samples for f in faults)
-        self.told_unpoisonable = False  # a NaN fault met a batch it cannot poison, and the worker said so
+        self._told_unpoisonable = False
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
@@ -113,6 +114,14 @@ class FaultInjector:
         """True when a micro-batch of ``epoch`` holding these (real, not padding) dataset indices is to be poisoned."""
         poisoned = [f.samples for f in self._of("nan") if f.samples and f.epoch in (None, epoch)]
         return bool(poisoned) and any(i in s for i in indices for s in poisoned)
+
+    def first_unpoisonable(self, batch: object) -> bool:
+        """True the first time a batch to be poisoned holds nothing ``poison`` can make NaN (token ids alone):
+        the fault then changes nothing, which the worker says once."""
+        if self._told_unpoisonable or has_floating(batch):
+            return False
+        self._told_unpoisonable = True
+        return True
 
     def before_step(self, step: int, device: torch.device | None = None) -> None:
         """Called before the micro-batches of ``step`` (trained on ``device``): hangs, stragglers, device errors."""

@@ -40,7 +40,7 @@ from elasticd.messages import Capability, FatalReason, Kind
 from elasticd.privates.check import check_worker
 from elasticd.privates.surface import Fallback
 from elasticd.worker import hybrid, resume_point
-from elasticd.worker.batch_tensors import has_floating, poison, to_device
+from elasticd.worker.batch_tensors import poison, to_device
 from elasticd.worker.batching import BatchPlan
 from elasticd.worker.beats import BeatClient
 from elasticd.worker.checkpoints import Checkpoint, CheckpointStore
@@ -467,9 +467,8 @@ def _greet_daemon(run: Run) -> None:
 
 def _said_if_unpoisonable(run: Run, batch: Any) -> Any:
     """``batch``; a NaN fault on one without floating tensors (token ids alone) changes nothing: said once."""
-    if run.faults.told_unpoisonable or has_floating(batch):
+    if not run.faults.first_unpoisonable(batch):
         return batch
-    run.faults.told_unpoisonable = True
     reason = "the batch holds no floating-point tensor to make NaN (token ids?): the fault changes nothing"
     run.log.warning("fault_not_applied", fault="nan", step=run.state.step + 1, reason=reason)
     return batch
