@@ -183,11 +183,13 @@ class Node:
         except subprocess.TimeoutExpired:
             raise AssertionError(f"{self.name} did not exit within {timeout_s}s:\n{self.tail()}") from None
 
-    def tail(self, lines: int = 40) -> str:
+    def tail(self, lines: int = 40, out_lines: int | None = None) -> str:
+        """The last ``lines`` of the node's stderr (the daemon's and workers' events) and stdout (the script's steps:
+        the last ``out_lines``, default ``lines``)."""
         text = []
-        for path in (self.err, self.out):
+        for path, count in ((self.err, lines), (self.out, lines if out_lines is None else out_lines)):
             if path.exists():
-                text.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:]))
+                text.append(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-count:]))
         return "\n".join(text)
 
 
@@ -323,9 +325,11 @@ class Cluster:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if exc_type is not None:
-            # a failed test shows each node's last lines with its error (pytest prints a failing test's stdout):
-            # the only trace a CI run keeps of the daemons it ran
-            print(self.diagnostics(lines=25))
+            # a failed test shows every node's changes in time order, then each node's last lines (pytest prints a
+            # failing test's stdout): the only trace a CI run keeps of the daemons it ran, and a CI record keeps only
+            # a part of it, so the steps come last and short
+            print(f"===== changes, every node\n{self.changes()}")
+            print("\n".join(f"===== {name}\n{node.tail(25, out_lines=3)}" for name, node in self.nodes.items()))
         self.close()
 
     def diagnostics(self, lines: int = 40) -> str:
@@ -336,6 +340,7 @@ class Cluster:
         assertion about the steps needs (a tail of 40 lines is often all lease warnings)."""
         names = {"step_failed", "regrouped", "reconfigured", "hot_fallback", "restart", "node_lost", "worker_failed"}
         names |= {"rendezvous_done", "workers_started", "resumed", "decision_timeout", "left_in_place", "joined"}
+        names |= {"lineage_token", "lineage_lost", "round_abandoned", "round_member_lost", "hang_detected", "exit"}
         lines = [
             (e.get("timestamp", ""), name, {k: v for k, v in e.items() if k not in ("timestamp", "level", "run_id")})
             for name, node in self.nodes.items()

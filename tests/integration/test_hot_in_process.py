@@ -18,11 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elasticd.etcd.client import EtcdClient
+from elasticd.rendezvous.store import EtcdV3Store
 from elasticd.worker.hot.backend import GlooGroups, groups_for
 from elasticd.worker.hot.comm_hook import BUFFERS, GroupHolder, ResilientAllReduce, resilient_allreduce_hook
-from elasticd.worker.hot.errors import UnsupportedSetup
+from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
 from elasticd.worker.hot.failure import StepHealth
 from elasticd.worker.hot.given_up import GivenUp
+from elasticd.worker.hot.reform import DEFAULT_GROUP_TIMEOUT
 from tests.integration.cluster import wait_until
 from tests.integration.gloo_groups import gloo_group, on_every_rank
 
@@ -143,6 +146,19 @@ def test_the_default_groups_backend_picks_how_groups_are_re_formed() -> None:
         assert isinstance(groups_for(dist.group.WORLD, timeout=timedelta(seconds=30), environ={}), GlooGroups)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_group_whose_member_never_comes_is_given_up_after_the_store_s_timeout_not_the_group_s(
+    etcd_client: EtcdClient,
+) -> None:
+    """A member that died or fell back between the membership decision and the formation. gloo alone waits for its
+    address the group's timeout (10 minutes for a group hot recovery forms: longer than this test may run); the
+    members that came give up after the store's, and take the cold path."""
+    assert not dist.is_initialized()
+    store = EtcdV3Store(etcd_client, "/test/form/", timeout=timedelta(seconds=2))
+    with pytest.raises(ReformError, match="elasticd_arrived/1"):
+        GlooGroups(DEFAULT_GROUP_TIMEOUT).replace(store, 0, 2, None)
+    assert not dist.is_initialized()
 
 
 def test_a_bucket_past_its_deadline_fails_the_step(pair: list[Any]) -> None:

@@ -121,7 +121,12 @@ def test_rank0_of_a_forming_round_dying_repeatedly_costs_seconds_each_time(etcd:
                     if e["reason"] == "membership" and _when(e) > killed_at - 1
                 }
                 assert noticed and doomed <= noticed | regrouped, c.diagnostics()
-                assert all(victim in e["lost_nodes"] and set(e["lost_nodes"]) <= {victim, *alive} for e in abandoned)
+                # A survivor may see a peer survivor leave the round before the dead node's lease expires (one event
+                # that names only a left node, seen in CI): the dead node is named by someone, nobody else is lost.
+                assert any(victim in e["lost_nodes"] for e in abandoned), abandoned
+                for e in abandoned:
+                    assert e["lost_nodes"] or e["left_nodes"], e
+                    assert set(e["lost_nodes"]) <= {victim, *alive} and set(e["left_nodes"]) <= {victim, *alive}, e
             figures.append(
                 {
                     "cycle": cycle,

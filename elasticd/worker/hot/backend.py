@@ -7,7 +7,7 @@ classes below by the backend of the group the job trains in:
   ``destroy_process_group()`` return while the operation waits for the group's timeout), so the old group is taken
   out of torch's registry and *kept referenced* (:class:`AbandonedGroups`) until no collective given up on in it is
   pending (``given_up.py``); dropping it earlier would run its destructor, which joins gloo's threads and blocks.
-  The new group is formed over the store.
+  The new group is formed over the store, once every member has reached it (:func:`await_members`).
 - :class:`NcclGroups` (GPU). **Unverified: written from torch 2.13's code and NCCL's documents, never run here (no
   GPU); ``bench/gpu_check.sh`` is the check to run the day one is lent.** ``ncclCommAbort`` ends pending kernels,
   so the old group is aborted (``TORCH_NCCL_USE_COMM_NONBLOCKING=1`` keeps the abort itself from hanging). A pure
@@ -43,6 +43,8 @@ from elasticd import envvars
 from elasticd.worker.hot.errors import ReformError, UnsupportedSetup
 from elasticd.worker.hot.given_up import GIVEN_UP, GivenUp
 
+# Where each member of a group about to form marks its arrival (outside torch's per-group key prefixes).
+_ARRIVED_KEY = "elasticd_arrived/"
 # How often the end of the run looks again for old groups to release, while the peers release theirs.
 _DRAIN_POLL_S = 0.05
 # torch's TORCH_NCCL_ASYNC_ERROR_HANDLING modes that end the process on an NCCL error or timeout (1: TearDown,
@@ -98,6 +100,21 @@ class AbandonedGroups:
         leaked = len(self._held)
         self._held = []
         return leaked
+
+
+def await_members(store: dist.Store, rank: int, world_size: int) -> None:
+    """Return once every member of the group about to form has reached ``store``; ``DistStoreError`` after the
+    store's timeout otherwise.
+
+    A backend's own formation waits for a missing member for the *group's* timeout, not the store's: gloo's waits
+    for a peer's address use the group's (measured: a 1 s store under an 8 s group waited 8 s), which is 10 minutes
+    for a group hot recovery forms. A member that died or fell back between the decision and the formation would
+    hold the others that long; this holds them for the store's timeout (``session.FORM_TIMEOUT``), and then they
+    take the cold path."""
+    if world_size < 2:
+        return
+    store.set(f"{_ARRIVED_KEY}{rank}", "1")
+    store.wait([f"{_ARRIVED_KEY}{r}" for r in range(world_size)])
 
 
 def keep_forever(obj: object) -> None:
@@ -158,6 +175,7 @@ class Groups(abc.ABC):
         # Python side ("INTERNAL ASSERT FAILED ... Not implemented" once it is collected).
         self.store = store
         try:
+            await_members(store, rank, world_size)
             self.form(store, rank, world_size)
         except Exception as exc:
             raise ReformError(f"forming the group failed: {exc}", rank=rank, world_size=world_size) from exc
