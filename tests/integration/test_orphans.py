@@ -181,7 +181,9 @@ def test_daemon_killed_alone_its_workers_and_their_children_die_and_the_others_g
         took = _gone_within(workers + children, 10, killed_at)
         print(f"workers and their children gone {took:.3f}s after the daemon's SIGKILL")
         assert took < 2.0, c.diagnostics()
-        assert not leftover_processes(["orph-c"])
+        # and nothing else of the node: its reaper, the last, exits once it has swept and logged (it was seen still
+        # running in CI the moment the workers were gone)
+        wait_until(lambda: not leftover_processes(["orph-c"]), 10, "every process of orph-c to exit")
 
         survivors = names[:2]
         for name in survivors:
