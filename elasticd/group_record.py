@@ -58,6 +58,11 @@ class Reach(StrEnum):
     SILENT = "silent"
 
 
+# What a joiner may wait on: a silent group is given the benefit of the doubt (its joiner gives up if the silence
+# lasts: worker/hot_path.py's JoinWatch).
+JOINABLE = frozenset({Reach.ALIVE, Reach.SILENT})
+
+
 def group_reach(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> Reach:
     """Does ``group`` (of ``round_``) still train in place, and can this node reach it? Its round holds the run's
     fencing token, and a worker of its current epoch greets by its name on its liveness port (a worker that exited
@@ -94,8 +99,8 @@ def group_reach(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> R
 
 def group_alive(client: EtcdClient, keys: RunKeys, group: str, round_: int) -> bool:
     """Does ``group`` (of ``round_``) still train in place, reachable from here (:func:`group_reach`)? A silent one
-    is given the benefit of the doubt here: its joiner gives up on it if the silence lasts."""
-    return group_reach(client, keys, group, round_) in (Reach.ALIVE, Reach.SILENT)
+    counts (:data:`JOINABLE`)."""
+    return group_reach(client, keys, group, round_) in JOINABLE
 
 
 def _round_of(token: bytes) -> str:

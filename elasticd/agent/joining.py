@@ -32,7 +32,7 @@ import secrets
 from collections.abc import Callable
 
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.group_record import GroupToJoin, Reach, group_reach, read_group
+from elasticd.group_record import JOINABLE, GroupToJoin, Reach, group_reach, read_group
 from elasticd.keys import RunKeys
 from elasticd.node_records import read_nodes
 
@@ -68,7 +68,7 @@ def group_to_join(
         while reach is Reach.OUT_OF_REACH and wait is not None:
             wait(group)
             reach = group_reach(client, keys, group.name, group.round)
-        if reach not in (Reach.ALIVE, Reach.SILENT):  # silent: joined, and its workers give up if the silence lasts
+        if reach not in JOINABLE:
             return None
     except EtcdError:
         return None

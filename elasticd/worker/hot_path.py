@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 from elasticd.board import Phase
 from elasticd.errors import EXIT_HOT_FALLBACK, EXIT_REJOIN, ElasticdError
 from elasticd.etcd.client import EtcdClient, EtcdError
-from elasticd.group_record import Reach, group_reach, read_group
+from elasticd.group_record import JOINABLE, Reach, group_reach, read_group
 from elasticd.keys import RunKeys
 from elasticd.messages import Kind
 from elasticd.node_records import read_nodes
@@ -397,7 +397,7 @@ def _group_to_join(
         if group is None or group.round != round_:
             return None, "no group record" if group is None else f"the group record is round {group.round}'s"
         reach = group_reach(client, keys, group.name, round_)
-        if reach in (Reach.ALIVE, Reach.SILENT):  # silent: the join's watch gives up if the silence lasts
+        if reach in JOINABLE:
             return group.name, reach.value
         if reach is Reach.GONE or time.monotonic() >= deadline:
             return None, reach.value

@@ -243,7 +243,7 @@ class Run:
                     self.faults.before_step(self.state.step + 1, self.accelerator.device)
                     self.slot.enter(self.state.step + 1)
                 if self.faults.poisoned(self.state.step + 1, self._slice, index % accumulation):
-                    batch = poison(_said_if_unpoisonable(self, batch))
+                    batch = _poisoned(self, batch)
                 batch = to_device(batch, self.accelerator.device)
                 self.own_time.add(time.perf_counter() - started)
                 index += 1
@@ -465,13 +465,12 @@ def _greet_daemon(run: Run) -> None:
     run.beats.send(Kind.RESUMED, step=run.state.step)
 
 
-def _said_if_unpoisonable(run: Run, batch: Any) -> Any:
-    """``batch``; a NaN fault on one without floating tensors (token ids alone) changes nothing: said once."""
-    if not run.faults.first_unpoisonable(batch):
-        return batch
-    reason = "the batch holds no floating-point tensor to make NaN (token ids?): the fault changes nothing"
-    run.log.warning("fault_not_applied", fault="nan", step=run.state.step + 1, reason=reason)
-    return batch
+def _poisoned(run: Run, batch: Any) -> Any:
+    """``batch`` made NaN by its fault; one without floating tensors (token ids alone) stays as it is: said once."""
+    if run.faults.first_unpoisonable(batch):
+        reason = "the batch holds no floating-point tensor to make NaN (token ids?): the fault changes nothing"
+        run.log.warning("fault_not_applied", fault="nan", step=run.state.step + 1, reason=reason)
+    return poison(batch)
 
 
 def _log_skipped(run: Run, step_slice: StepSlice) -> None:

@@ -68,3 +68,11 @@ def test_only_a_batch_with_a_floating_tensor_can_be_poisoned() -> None:
     assert poison(ids)["input_ids"].tolist() == [[1, 2]]
     assert has_floating({"x": torch.zeros(1), "id": torch.tensor(3)})
     assert has_floating([torch.tensor([1]), (torch.zeros(2),)])
+
+
+def test_an_unpoisonable_batch_is_told_once_and_a_floating_one_never() -> None:
+    injector = FaultInjector(parse_faults("nan@step=4-"), rank=0)
+    assert not injector.first_unpoisonable({"x": torch.zeros(2)})
+    ids = {"input_ids": torch.tensor([[1, 2]])}
+    assert injector.first_unpoisonable(ids)
+    assert not injector.first_unpoisonable(ids)  # said once per run, not at every step of a persistent fault
